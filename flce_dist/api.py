@@ -1,0 +1,121 @@
+"""``fused_linear_cross_entropy``: validation and dispatch to the autograd Function."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.distributed as dist
+
+from .autograd import FLCEFunction
+from .distributed import group_size, resolve_shard
+from .params import FLCEParams
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    sequence_parallel: bool = False,
+    return_lse: bool = False,
+    strategy: str = "auto",
+):
+    """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
+
+    hidden [..., H] (float32/bfloat16/float16; float64 for checks), weight [V_local, H] (this rank's
+    vocab rows; the full [V, H] when ``group`` is None), target [...] int64 GLOBAL ids.
+    With ``group`` (a ProcessGroup of P ranks holding the vocab shards), every rank returns the same
+    loss, the gradient of its own weight shard, and the full dX. ``sequence_parallel=True``: hidden
+    and target are this rank's equal-sized token slice (rank order); the per-token outputs
+    (``reduction="none"``, lse) are for that slice too, and dX is reduce-scattered back.
+    ``strategy``: ``"auto"`` (default), ``"fused"`` or ``"recompute"`` (see ``autograd.py``).
+    Returns the loss, or ``(loss, lse)`` with ``return_lse=True`` (lse: global per-token
+    logsumexp, shaped like target, not differentiable).
+    """
+    hidden = _check_tensor("hidden", hidden)
+    weight = _check_tensor("weight", weight)
+    target = _check_tensor("target", target)
+    if hidden.dtype not in _FLOATS:
+        raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have shape [..., H], got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V_local, H], got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
+    h = hidden.shape[-1]
+    if weight.shape[1] != h:
+        raise ValueError(f"weight hidden size {weight.shape[1]} does not match hidden's last dim {h}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be int64 (or int32) class ids, got {target.dtype}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+    if target.device != hidden.device:
+        raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
+    if bias is not None:
+        bias = _check_tensor("bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [{weight.shape[0]}] (V_local), got {tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise TypeError(f"bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if strategy not in ("auto", "fused", "recompute"):
+        raise ValueError(f"strategy must be 'auto', 'fused' or 'recompute', got {strategy!r}")
+    if not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not 0.0 <= float(label_smoothing) < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if float(z_loss) < 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be None or > 0, got {softcap}")
+    if not float(temperature) > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+
+    start, vocab = resolve_shard(group, weight.shape[0], vocab_start, hidden.device)
+    x = hidden.reshape(-1, h)
+    t = target.reshape(-1).to(torch.int64)
+    if t.device.type == "cpu" and t.numel():
+        bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not ignore_index ({ignore_index})")
+    num_items = None
+    if num_items_in_batch is not None:
+        num_items = torch.as_tensor(num_items_in_batch, device=hidden.device).reshape(())
+    params = FLCEParams(
+        vocab_start=start, vocab_size=vocab, ignore_index=int(ignore_index), reduction=reduction,
+        label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=float(softcap or 0.0),
+        temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and group_size(group) > 1,
+        return_lse=bool(return_lse), strategy=strategy,
+    )
+    loss, lse = FLCEFunction.apply(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    if return_lse:
+        return loss, lse.reshape(target.shape)
+    return loss

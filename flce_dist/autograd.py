@@ -1,0 +1,249 @@
+"""The autograd Function: the only place where kernels and collectives meet.
+
+Notation (per rank of a TP group of size P): x [N, H] (all tokens; under sequence parallelism the
+gathered ones), W [V_r, H] this rank's shard, stats [N, 3] = (lse, target logit, sum of logits).
+
+Two strategies share every kernel and collective:
+
+* ``recompute`` (any reduction; forward-only / evaluation):
+    forward   lse_forward kernel (x @ W.T tile by tile, never stored) -> local stats
+              -> ONE all-gather of stats -> global lse, loss        1 matmul
+    backward  per vocab chunk c: z = x @ W_c.T (cuBLAS) -> chunk_grad_ kernel (dz in place)
+              -> dW_c = dz.T @ x (local) and dX += dz @ W_c          3 matmuls
+              -> dX all-reduce started before the last chunk's dW matmul, so it overlaps it.
+* ``fused`` (scalar reductions with a gradient; the default there): per token chunk n:
+    z = x_n @ W.T -> chunk_stats kernel -> all-gather of the chunk's stats -> global lse
+    -> chunk_grad_ kernel -> dX_n = dz @ W (async all-reduce of the chunk) and dW += dz.T @ x_n
+    3 matmuls in all; backward only scales the stored dX, dW by grad_output.
+
+Memory: one logits chunk (``runtime.chunk_rows``) plus dX/dW; never [N, V_r].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import runtime as R
+from .distributed import all_gather_rows, all_reduce_async, combine_stats, group_size, reduce_scatter_rows
+from .params import FLCEParams
+
+
+def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Tensor:
+    """Shard-local target ids; -1 where the target is ignored or owned by another rank."""
+    tl = target - p.vocab_start
+    ok = (tl >= 0) & (tl < v_local) & (target != p.ignore_index)
+    return torch.where(ok, tl, torch.full_like(tl, -1))
+
+
+def token_loss(stats: torch.Tensor, valid: torch.Tensor, p: FLCEParams) -> torch.Tensor:
+    """Per-token loss from the global stats: lse - (1-eps) y_t - eps/V sum_v y + zl lse^2."""
+    lse, t, sumy = stats.unbind(1)
+    loss = lse - (1.0 - p.label_smoothing) * t
+    if p.label_smoothing > 0:
+        loss = loss - (p.label_smoothing / p.vocab_size) * sumy
+    if p.z_loss > 0:
+        loss = loss + p.z_loss * lse * lse
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def row_weights(valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows."""
+    w = valid.to(dtype)
+    if p.reduction == "mean":
+        denom = num_items if num_items is not None else valid.sum()
+        w = w / denom.to(dtype).clamp(min=1)
+    return w
+
+
+def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None) -> torch.Tensor:
+    if p.reduction == "none":
+        return loss
+    total = loss.sum()
+    if p.reduction == "sum":
+        return total
+    denom = num_items if num_items is not None else valid.sum()
+    return total / denom.to(torch.float32).clamp(min=1)
+
+
+def _logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w.T) if b is None else torch.addmm(b, x, w.T)
+
+
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _grad_kw(p: FLCEParams) -> dict[str, float]:
+    return dict(scale=p.logit_scale, eps_over_v=p.label_smoothing / p.vocab_size,
+                one_minus_eps=1.0 - p.label_smoothing, two_zl=2.0 * p.z_loss, softcap=p.softcap)
+
+
+def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
+                  p: FLCEParams, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global per-token stats [N, 3] without keeping logits (one collective)."""
+    if x.shape[0] == 0 or w.shape[0] == 0:
+        local = torch.zeros(x.shape[0], 3, dtype=_stat_dtype(x), device=x.device)
+        local[:, 0] = float("-inf")  # an empty shard contributes nothing to the lse
+    elif x.dtype == torch.float64:
+        # hl.dot has no float64: float64 (gradchecks) goes through cuBLAS/torch chunks + chunk_stats.
+        n = x.shape[0]
+        rows = R.chunk_rows(n, w.shape[0], x.element_size(), x.device)
+        local = torch.cat([R.chunk_stats(_logits(x[i:i + rows], w, b), tl[i:i + rows], p.logit_scale, p.softcap, p.needs_sum)
+                           for i in range(0, n, rows)])
+    else:
+        local = R.lse_forward(x, w, b, tl, p.logit_scale, p.softcap, p.needs_sum)
+    return combine_stats(local, group)
+
+
+def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
+                           g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None):
+    """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
+    token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded)."""
+    n, _ = x.shape
+    v = w.shape[0]
+    rows = R.chunk_rows(n, v, x.element_size(), x.device)
+    stats = torch.empty(n, 3, dtype=_stat_dtype(x), device=x.device)
+    dx = torch.empty_like(x)
+    dw = torch.zeros_like(w)
+    db = torch.zeros(v, dtype=_stat_dtype(x), device=x.device) if b is not None else None
+    kw = _grad_kw(p)
+    handles = []
+    sp = p.sequence_parallel
+    for i in range(0, n, rows):
+        xc, tc = x[i:i + rows], tl[i:i + rows]
+        z = _logits(xc, w, b)
+        st = combine_stats(R.chunk_stats(z, tc, p.logit_scale, p.softcap, p.needs_sum), group)
+        stats[i:i + rows] = st
+        R.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
+        torch.mm(z, w, out=dx[i:i + rows])
+        if not sp:
+            h = all_reduce_async(dx[i:i + rows], group)
+            if h is not None:
+                handles.append(h)
+        if i == 0 and i + rows >= n:
+            torch.mm(z.T, xc, out=dw)
+        else:
+            dw.addmm_(z.T, xc)
+        if db is not None:
+            db += z.sum(0, dtype=db.dtype)
+    for h in handles:
+        h.wait()
+    return stats, dx, dw, db
+
+
+def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
+                       lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None):
+    """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks."""
+    n, _ = x.shape
+    v = w.shape[0]
+    cols = R.chunk_rows(v, n, x.element_size(), x.device)
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dx = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
+    dw = torch.empty_like(w)
+    db = torch.empty(v, dtype=_stat_dtype(x), device=x.device) if b is not None else None
+    kw = _grad_kw(p)
+    handle = None
+    out = dx
+    if n == 0:
+        v = 0
+        dw.zero_()
+        if db is not None:
+            db.zero_()
+    for j in range(0, v, cols):
+        wc = w[j:j + cols]
+        z = _logits(x, wc, None if b is None else b[j:j + cols])
+        R.chunk_grad_(z, tl - j, lse, g, **kw)
+        dx += torch.mm(z, wc)
+        if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
+            out = dx.to(x.dtype)
+            if not p.sequence_parallel:
+                handle = all_reduce_async(out, group)
+        torch.mm(z.T, x, out=dw[j:j + cols])
+        if db is not None:
+            db[j:j + cols] = z.sum(0, dtype=db.dtype)
+    if v == 0:
+        out = dx.to(x.dtype)
+        if not p.sequence_parallel:
+            handle = all_reduce_async(out, group)
+    if handle is not None:
+        handle.wait()
+    return out, dw, db
+
+
+class FLCEFunction(torch.autograd.Function):
+    """Vocab-parallel fused linear cross entropy.
+
+    Inputs: hidden [N_in, H] (N_in = N / P under sequence parallelism), weight [V_r, H],
+    bias [V_r] or None, target [N_in] global ids, num_items (0-d tensor or None).
+    Outputs: loss (scalar, or [N_in] for reduction="none"), lse [N_in] (global, not
+    differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, num_items, p: FLCEParams, group):
+        sp = p.sequence_parallel and group_size(group) > 1
+        x = all_gather_rows(hidden, group) if sp else hidden
+        tgt = all_gather_rows(target, group) if sp else target
+        n_in = hidden.shape[0]
+        v_local = weight.shape[0]
+        tl = local_targets(tgt, p, v_local)
+        valid = tgt != p.ignore_index
+        needs_grad = any(ctx.needs_input_grad[:3])
+        fused = needs_grad and p.reduction != "none" and p.strategy in ("auto", "fused")
+        if fused:
+            g = row_weights(valid, p, num_items, _stat_dtype(x))
+            stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
+            if sp:
+                dx = reduce_scatter_rows(dx, group)
+            ctx.save_for_backward(dx, dw, db)
+        else:
+            stats = forward_stats(x, weight, bias, tl, p, group)
+            if needs_grad:
+                ctx.save_for_backward(x, weight, bias, tl, stats[:, 0].contiguous(), valid,
+                                      num_items if num_items is not None else None)
+        ctx.fused, ctx.p, ctx.group, ctx.sp, ctx.n_in = fused, p, group, sp, n_in
+        ctx.w_dtype = weight.dtype
+        loss_rows = token_loss(stats, valid, p)
+        # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device
+        # assert, no host sync; the API raises instead where the check is free, on CPU).
+        bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
+        loss_rows = torch.where(bad, torch.full_like(loss_rows, float("nan")), loss_rows)
+        rank_slice = slice(0, n_in)
+        if sp:
+            r = dist.get_rank(group)
+            rank_slice = slice(r * n_in, (r + 1) * n_in)
+        if p.reduction == "none":
+            loss = loss_rows[rank_slice].to(hidden.dtype if hidden.dtype == torch.float64 else torch.float32)
+        else:
+            loss = reduce_loss(loss_rows, valid, p, num_items)
+        lse = stats[rank_slice, 0].clone()
+        ctx.mark_non_differentiable(lse)
+        return loss, lse
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_lse):
+        p: FLCEParams = ctx.p
+        if ctx.fused:
+            dx, dw, db = ctx.saved_tensors
+            go = grad_loss.to(torch.float64 if dx.dtype == torch.float64 else torch.float32)
+            dx = dx * go.to(dx.dtype) if ctx.needs_input_grad[0] else None
+            dw = dw * go.to(dw.dtype) if ctx.needs_input_grad[1] else None
+            db = (db * go).to(ctx.w_dtype) if db is not None and ctx.needs_input_grad[2] else None
+            return dx, dw, db, None, None, None, None
+        x, w, b, tl, lse, valid, num_items = ctx.saved_tensors
+        g = row_weights(valid, p, num_items, _stat_dtype(x))
+        if p.reduction == "none":
+            go = grad_loss.to(g.dtype)
+            go = all_gather_rows(go.contiguous(), ctx.group) if ctx.sp else go
+            g = g * go
+        else:
+            g = g * grad_loss.to(g.dtype)
+        dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, ctx.group)
+        if ctx.sp:
+            dx = reduce_scatter_rows(dx, ctx.group)
+        if db is not None:
+            db = db.to(w.dtype)
+        return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
+                db if ctx.needs_input_grad[2] else None, None, None, None, None)

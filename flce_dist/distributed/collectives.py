@@ -1,0 +1,60 @@
+"""The collectives of the vocab-parallel loss. Every function is a no-op at group size 1.
+
+Per training step (group of P ranks, N tokens, H hidden, k = 3 stats):
+  forward   one all-gather of the per-rank stats, ``[P, N, 3]`` float32 = 12*P*N bytes
+            (the fused strategy issues it per token chunk: same bytes, N/Nc calls)
+  backward  one all-reduce of dX, ``N*H`` elements of hidden's dtype (async, overlapped with dW)
+  SP        plus an all-gather of hidden (``N*H``) and targets, and a reduce-scatter of dX instead
+            of the all-reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .shard import group_size
+
+
+def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Merge per-rank ``[N, 3]`` stats ``(lse_r, target_logit_r, sum_logits_r)`` into the global
+    ``(lse, target_logit, sum_logits)`` with ONE all-gather and a local logsumexp.
+
+    Ranks with an empty shard contribute ``lse_r = -inf``; logsumexp ignores them."""
+    p = group_size(group)
+    if p == 1:
+        return stats
+    stats = stats.contiguous()
+    out = torch.empty((p, *stats.shape), dtype=stats.dtype, device=stats.device)
+    dist.all_gather_into_tensor(out, stats, group=group)
+    lse = torch.logsumexp(out[..., 0], dim=0)
+    return torch.stack([lse, out[..., 1].sum(0), out[..., 2].sum(0)], dim=1)
+
+
+def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:
+    """Start summing ``t`` in place across the group; returns the handle (None at size 1)."""
+    if group_size(group) == 1:
+        return None
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
+def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate every rank's equal-sized ``t`` along dim 0 (rank order)."""
+    p = group_size(group)
+    if p == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t, group=group)
+    return out
+
+
+def reduce_scatter_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum ``t [P*n, ...]`` across ranks and keep this rank's ``[n, ...]`` slice."""
+    p = group_size(group)
+    if p == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    dist.reduce_scatter_tensor(out, t, group=group)
+    return out

@@ -1,0 +1,53 @@
+"""dlogits of a materialised logits chunk, written in place (the chunk becomes dz).
+
+With ``y = transform(z)`` (scale ``s``, optional softcap ``c``), ``p = exp(y - lse)`` against the
+GLOBAL per-row logsumexp, per-row gradient weight ``g`` (0 for ignored rows), label smoothing
+``eps`` over the global vocabulary ``V`` and z-loss coefficient ``zl``:
+
+    dL/dy = g * ((1 + 2*zl*lse) * p - (1 - eps) * onehot(target) - eps / V)
+    dL/dz = dL/dy * s * (1 - (y/c)^2)        (softcap)      or   dL/dy * s   (no softcap)
+
+Grid: (token tile x vocab tile) over ``z [Nc, Vc]``; each element is read once and written once in
+``z``'s dtype. Out-of-bounds elements of partial tiles are neither read nor written.
+Per-row inputs: ``lse [Nc]``, ``g [Nc]`` float32, ``target_local [Nc]`` (-1: no target here).
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+
+@helion.kernel(static_shapes=True)
+def chunk_grad_(
+    z: torch.Tensor,
+    target_local: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    eps_over_v: float,
+    one_minus_eps: float,
+    two_zl: float,
+    softcap: hl.constexpr,
+    block_n: hl.constexpr,
+    block_v: hl.constexpr,
+) -> torch.Tensor:
+    n, v = z.size()
+    ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
+    for tile_n, tile_v in hl.tile([n, v], block_size=[block_n, block_v]):
+        y = z[tile_n, tile_v].to(ct) * scale
+        if softcap > 0:
+            y = softcap * torch.tanh(y / softcap)
+        lse_t = lse[tile_n].to(ct)
+        g_t = g[tile_n].to(ct)
+        p = torch.exp(y - lse_t[:, None])
+        hit = tile_v.index[None, :] == target_local[tile_n][:, None]
+        dy = (g_t * (1.0 + two_zl * lse_t))[:, None] * p - torch.where(
+            hit, (g_t * one_minus_eps)[:, None], 0.0
+        ) - (g_t * eps_over_v)[:, None]
+        if softcap > 0:
+            r = y / softcap
+            dy = dy * (1.0 - r * r)
+        z[tile_n, tile_v] = (dy * scale).to(z.dtype)
+    return z

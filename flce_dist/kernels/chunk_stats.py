@@ -1,0 +1,63 @@
+"""Per-row statistics of a materialised logits chunk (online softmax over vocab tiles).
+
+Algorithm, for a chunk ``z [Nc, V]`` of raw logits (cuBLAS ``x_chunk @ W.T (+ b)``):
+
+    for each token tile n (BN rows):                 # grid: Nc/BN programs
+        m, s, t, sy = -inf, 0, 0, 0                  # running max, sum-exp, target logit, sum
+        for each vocab tile v (BV columns):          # loop
+            y  = transform(z[n, v])                  # scale, softcap, as in lse_forward
+            m' = max(m, max_v y);  s = s * exp(m - m') + sum_v exp(y - m');  m = m'
+            t += y[target] if the target is in this tile;  sy += sum_v y
+        lse[n] = m + log(s)
+
+Returns ``lse [Nc]``, ``tgt [Nc]`` and ``sumy [Nc]`` (zeros without ``with_sum``) in float32
+(float64 for float64 chunks, so that float64 gradchecks run through the same kernels).
+Out-of-bounds vocab columns are -inf for the max and 0 for the sums; out-of-bounds rows are not
+stored.
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+
+@helion.kernel(static_shapes=True)
+def chunk_stats(
+    z: torch.Tensor,
+    target_local: torch.Tensor,
+    scale: float,
+    softcap: hl.constexpr,
+    with_sum: hl.constexpr,
+    block_n: hl.constexpr,
+    block_v: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, v = z.size()
+    ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
+    lse = torch.empty([n], dtype=ct, device=z.device)
+    tgt = torch.empty([n], dtype=ct, device=z.device)
+    sumy = torch.empty([n], dtype=ct, device=z.device)
+    for tile_n in hl.tile(n, block_size=block_n):
+        m_i = hl.full([tile_n], float("-inf"), dtype=ct)
+        s_i = hl.zeros([tile_n], dtype=ct)
+        t_i = hl.zeros([tile_n], dtype=ct)
+        sy_i = hl.zeros([tile_n], dtype=ct)
+        tgt_t = target_local[tile_n]
+        for tile_v in hl.tile(v, block_size=block_v):
+            y = z[tile_n, tile_v].to(ct) * scale
+            if softcap > 0:
+                y = softcap * torch.tanh(y / softcap)
+            valid = (tile_v.index < v)[None, :]
+            ym = torch.where(valid, y, float("-inf"))
+            m_new = torch.maximum(m_i, torch.amax(ym, dim=1))
+            s_i = s_i * torch.exp(m_i - m_new) + torch.sum(torch.exp(ym - m_new[:, None]), dim=1)
+            m_i = m_new
+            hit = tile_v.index[None, :] == tgt_t[:, None]
+            t_i = t_i + torch.sum(torch.where(hit, y, 0.0), dim=1)
+            if with_sum:
+                sy_i = sy_i + torch.sum(torch.where(valid, y, 0.0), dim=1)
+        lse[tile_n] = m_i + torch.log(s_i)
+        tgt[tile_n] = t_i
+        sumy[tile_n] = sy_i
+    return lse, tgt, sumy

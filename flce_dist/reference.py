@@ -1,0 +1,46 @@
+"""Pure-torch reference: full logits, any dtype (use float64 for checks).
+
+``reference_loss(hidden, weight, target, ...)`` takes the FULL ``[V, H]`` weight and computes
+exactly what the fused loss promises, so tests and benchmarks compare against one definition.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     softcap: float | None = None, temperature: float = 1.0) -> torch.Tensor:
+    z = F.linear(hidden, weight, bias) / temperature
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+
+def reference_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                   bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                   num_items_in_batch: int | torch.Tensor | None = None, label_smoothing: float = 0.0,
+                   z_loss: float = 0.0, softcap: float | None = None, temperature: float = 1.0,
+                   return_lse: bool = False):
+    """Cross entropy of ``hidden @ weight.T (+ bias)`` (logits materialised, computed in the
+    inputs' dtype). Mean divides by the non-ignored count (or ``num_items_in_batch``); an all-ignored
+    batch gives 0, not NaN."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1)
+    z = reference_logits(h, weight, bias, softcap=softcap, temperature=temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    valid = t != ignore_index
+    safe_t = torch.where(valid, t, torch.zeros_like(t))
+    zt = z.gather(1, safe_t[:, None])[:, 0]
+    loss = lse - (1.0 - label_smoothing) * zt - (label_smoothing / z.shape[1]) * z.sum(1)
+    loss = loss + z_loss * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "none":
+        out = loss.reshape(target.shape)
+    elif reduction == "sum":
+        out = loss.sum()
+    else:
+        denom = num_items_in_batch if num_items_in_batch is not None else valid.sum()
+        out = loss.sum() / torch.as_tensor(denom, dtype=loss.dtype, device=loss.device).clamp(min=1)
+    return (out, lse.reshape(target.shape)) if return_lse else out

@@ -1,0 +1,165 @@
+"""Kernel launch: shipped configs, block sizes, chunk sizes, and typed wrappers.
+
+Configs live in ``configs/helion/<arch>.json`` (arch: ``h200`` for sm_90, ``cpu`` for reference
+mode): for each kernel and dtype class a ``block`` dict (block sizes, passed to the kernel as
+constexpr arguments so that reference mode also runs several tiles) and a ``config`` dict
+(``helion.Config`` fields). A first call never autotunes; a shape outside the shipped classes uses
+the ``default`` entry. ``python -m flce_dist.tune`` writes new entries.
+
+``override(...)`` changes block sizes and the logits-chunk budget for a block of code (tests
+use it to force several tiles and several chunks in every tiled dimension).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator
+
+import helion
+import torch
+
+from . import kernels as K
+
+_CONFIG_DIR = Path(os.environ.get("FLCE_CONFIG_DIR", Path(__file__).resolve().parent.parent / "configs" / "helion"))
+
+# Built-in defaults, used where no config file is found (e.g. an installed wheel without configs/).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lse_forward": {
+        "block": {"block_n": 256, "block_v": 128, "block_h": 64},
+        "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8]},
+    },
+    "chunk_stats": {"block": {"block_n": 4, "block_v": 1024}, "config": {"num_warps": 8, "num_stages": 2}},
+    "chunk_grad": {"block": {"block_n": 32, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 2}},
+}
+_CPU_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
+    "chunk_stats": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
+    "chunk_grad": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
+}
+
+
+@dataclass
+class _Overrides:
+    blocks: dict[str, dict[str, int]] = field(default_factory=dict)
+    chunk_bytes: int | None = None
+
+
+_OVR = _Overrides()
+
+
+@contextlib.contextmanager
+def override(*, blocks: dict[str, dict[str, int]] | None = None, chunk_bytes: int | None = None) -> Iterator[None]:
+    """Temporarily set kernel block sizes (``{"lse_forward": {"block_n": 16, ...}}``) and/or the
+    byte budget of one materialised logits chunk."""
+    old = (dict(_OVR.blocks), _OVR.chunk_bytes)
+    if blocks:
+        _OVR.blocks = {**_OVR.blocks, **blocks}
+    if chunk_bytes is not None:
+        _OVR.chunk_bytes = chunk_bytes
+    try:
+        yield
+    finally:
+        _OVR.blocks, _OVR.chunk_bytes = old
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return {(9, 0): "h200"}.get((major, minor), f"sm{major}{minor}")
+
+
+@lru_cache(maxsize=None)
+def _load(arch: str) -> dict[str, Any]:
+    path = _CONFIG_DIR / f"{arch}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    return {}
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
+
+
+def entry(kernel: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The shipped entry for ``kernel`` on ``device`` at ``dtype`` (``default`` if none)."""
+    arch = arch_of(device)
+    table = _load(arch).get(kernel, {})
+    fallback = (_CPU_DEFAULTS if arch == "cpu" else _DEFAULTS)[kernel]
+    e = table.get(dtype_class(dtype)) or table.get("default") or fallback
+    block = {**fallback["block"], **e.get("block", {}), **_OVR.blocks.get(kernel, {})}
+    return {"block": block, "config": e.get("config", {})}
+
+
+_CONFIGURED: set[int] = set()
+
+
+def _launch(kernel: helion.Kernel, name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype) -> Any:
+    e = entry(name, device, dtype)
+    block = e["block"]
+    order = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"), "chunk_grad": ("block_n", "block_v")}[name]
+    full = (*args, *(block[k] for k in order))
+    bound = kernel.bind(full)
+    if device.type == "cuda" and id(bound) not in _CONFIGURED:
+        bound.set_config(helion.Config(**e["config"]))
+        _CONFIGURED.add(id(bound))
+    return bound(*full)
+
+
+def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
+                scale: float, softcap: float, with_sum: bool) -> torch.Tensor:
+    """Per-row ``[N, 3]`` float32 stats (shard lse, target logit, sum of logits) without logits."""
+    b = bias if bias is not None else w.new_zeros(1)
+    pmax, psum, ptgt, psumy = _launch(
+        K.lse_forward_partials, "lse_forward",
+        (x, w, b, target_local, float(scale), float(softcap), bias is not None, bool(with_sum)),
+        x.device, x.dtype,
+    )
+    m = pmax.amax(0)
+    lse = m + torch.log((psum * torch.exp(pmax - m)).sum(0))
+    sumy = psumy.sum(0) if with_sum else torch.zeros_like(m)
+    return torch.stack([lse, ptgt.sum(0), sumy], dim=1)
+
+
+def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool) -> torch.Tensor:
+    """Per-row ``[Nc, 3]`` stats of a materialised logits chunk ``z``."""
+    if z.numel() == 0:  # empty chunk or empty shard: lse -inf, sums 0
+        out = torch.zeros(z.shape[0], 3, dtype=torch.float64 if z.dtype == torch.float64 else torch.float32, device=z.device)
+        out[:, 0] = float("-inf")
+        return out
+    lse, t, sy = _launch(K.chunk_stats, "chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum)), z.device, z.dtype)
+    return torch.stack([lse, t, sy], dim=1)
+
+
+def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
+                eps_over_v: float, one_minus_eps: float, two_zl: float, softcap: float) -> torch.Tensor:
+    """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py)."""
+    if z.numel() == 0:
+        return z
+    return _launch(K.chunk_grad_, "chunk_grad",
+                   (z, target_local, lse, g, float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap)),
+                   z.device, z.dtype)
+
+
+def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device) -> int:
+    """Rows per materialised logits chunk: the byte budget over the row size.
+
+    Budget: ``override(chunk_bytes=...)``, else on CUDA 1/8 of free memory clamped to
+    [128 MiB, 1 GiB], else 256 MiB. Rows are a multiple of 128 where the total allows.
+    """
+    if _OVR.chunk_bytes is not None:
+        budget = _OVR.chunk_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = min(max(free // 8, 128 << 20), 1 << 30)
+    else:
+        budget = 256 << 20
+    rows = max(1, budget // max(1, row_elems * elem_size))
+    if rows >= 256:
+        rows = rows // 128 * 128
+    return min(total, rows) if total > 0 else 1

@@ -27,7 +27,7 @@ import helion.language as hl
 import torch
 
 
-@helion.kernel(static_shapes=True)
+@helion.kernel(static_shapes=True, dot_precision="ieee")
 def lse_forward_partials(
     x: torch.Tensor,
     w: torch.Tensor,

@@ -1,0 +1,136 @@
+"""Single-GPU benchmark: flce_dist vs torch, Liger FLCE, CCE and the bare matmul, in one run.
+
+    python benchmarks/bench.py [--shapes llama3,qwen3,gemma] [--n 8192] [--dtype bf16] [--out DIR]
+
+For each shape: forward+backward and forward-only (no grad) time (CUDA events, warm-up, median of
+``--reps``) and peak memory above the inputs (including the returned gradients), plus the ratio to
+the bare ``x @ W.T`` matmul timed in the same run. Writes ``bench_<dtype>.csv`` under
+``benchmarks/results/`` (and ``--out``) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flce_dist  # noqa: E402
+
+SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
+DT = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _impls():
+    def flce(strategy):
+        return lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy)
+
+    impls = {"flce": flce("auto"), "flce_recompute": flce("recompute")}
+    impls["torch"] = lambda x, w, t: F.cross_entropy((x @ w.T).float(), t)
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        lg = LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = lambda x, w, t: lg(w, x, t)
+    except Exception as e:  # noqa: BLE001
+        print("liger unavailable:", e)
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+
+        impls["cce"] = lambda x, w, t: linear_cross_entropy(x, w, t)
+    except Exception as e:  # noqa: BLE001
+        print("cce unavailable:", e)
+    return impls
+
+
+def time_ms(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama3,qwen3,gemma")
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--dtype", default="bf16", choices=list(DT))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--impls", default="")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    dt = DT[args.dtype]
+    impls = _impls()
+    if args.impls:
+        impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
+    rows = []
+    dev = torch.device("cuda")
+    for name in args.shapes.split(","):
+        h, v = SHAPES[name]
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = torch.randn(args.n, h, device=dev, dtype=dt, generator=g).requires_grad_()
+        w = (torch.randn(v, h, device=dev, dtype=dt, generator=g) * h**-0.5).requires_grad_()
+        t = torch.randint(0, v, (args.n,), device=dev, generator=g)
+        mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
+        rows.append(dict(shape=name, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0, ratio_f=1.0))
+        for iname, fn in impls.items():
+            def fb():
+                x.grad = w.grad = None
+                fn(x, w, t).backward()
+
+            def fo():
+                with torch.no_grad():
+                    fn(x, w, t)
+
+            try:
+                fb_ms = time_ms(fb, args.reps)
+                mem = peak_gib(fb)
+                x.grad = w.grad = None
+                f_ms = time_ms(fo, args.reps)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name}/{iname} failed: {type(e).__name__}: {str(e)[:300]}")
+                x.grad = w.grad = None
+                torch.cuda.empty_cache()
+                continue
+            rows.append(dict(shape=name, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
+                             ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm))
+            torch.cuda.empty_cache()
+        del x, w, t
+        torch.cuda.empty_cache()
+    outs = [Path(__file__).resolve().parent / "results"] + ([Path(args.out)] if args.out else [])
+    for d in outs:
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / f"bench_{args.dtype}.csv", "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)
+    print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
+    print(f"{'shape':8} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'fwd ms':>8} {'x1mm':>6} {'peak GiB':>9}")
+    for r in rows:
+        print(f"{r['shape']:8} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # reference mode is ~8x faster single-threaded on 2 cores
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (run on the H200 with -m gpu)")
+    config.addinivalue_line("markers", "dist: multi-rank tests (torchrun / gloo on CPU, nccl on GPU)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Small blocks so that reference mode runs several tiles in every tiled dimension.
+SMALL_BLOCKS = {
+    "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
+    "chunk_stats": {"block_n": 8, "block_v": 32},
+    "chunk_grad": {"block_n": 8, "block_v": 32},
+}
+
+
+@pytest.fixture
+def small_tiles():
+    from flce_dist import runtime
+
+    with runtime.override(blocks=SMALL_BLOCKS):
+        yield
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv | t
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 for w in $what; do
   case $w in
-    tests) python3 -m pytest -q -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
-    bench) python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    tests) timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
+    bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
     bench32) python3 benchmarks/bench.py --dtype fp32 --shapes llama3 --impls flce,torch,matmul --out "$OUT" 2>&1 | tee "$OUT/bench32.log" | tail -12 ;;
     tp) torchrun --nproc_per_node=2 -m pytest -q -m "dist" tests/test_distributed.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
   esac

@@ -107,6 +107,8 @@ def fused_linear_cross_entropy(
     num_items = None
     if num_items_in_batch is not None:
         num_items = torch.as_tensor(num_items_in_batch, device=hidden.device).reshape(())
+    if not torch.is_grad_enabled():
+        strategy = "recompute"  # evaluation: statistics only, one matmul, no gradient work
     params = FLCEParams(
         vocab_start=start, vocab_size=vocab, ignore_index=int(ignore_index), reduction=reduction,
         label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=float(softcap or 0.0),

@@ -111,9 +111,23 @@ def _launch(kernel: helion.Kernel, name: str, args: tuple[Any, ...], device: tor
     return bound(*full)
 
 
+def _transform(z: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    y = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32) * scale
+    return softcap * torch.tanh(y / softcap) if softcap > 0 else y
+
+
+def _degenerate(*sizes: int) -> bool:
+    """Helion 1.4 mis-compiles size-1 dims ("can only unsplat single-element tensors"): shapes with a
+    dimension below 2 take a torch path of the same math (CPU reference mode included)."""
+    return min(sizes) < 2
+
+
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool) -> torch.Tensor:
     """Per-row ``[N, 3]`` float32 stats (shard lse, target logit, sum of logits) without logits."""
+    if _degenerate(*x.shape, w.shape[0]):
+        z = torch.mm(x, w.T) if bias is None else torch.addmm(bias, x, w.T)
+        return chunk_stats(z, target_local, scale, softcap, with_sum)
     b = bias if bias is not None else w.new_zeros(1)
     pmax, psum, ptgt, psumy = _launch(
         K.lse_forward_partials, "lse_forward",
@@ -132,6 +146,12 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
         out = torch.zeros(z.shape[0], 3, dtype=torch.float64 if z.dtype == torch.float64 else torch.float32, device=z.device)
         out[:, 0] = float("-inf")
         return out
+    if _degenerate(*z.shape):
+        y = _transform(z, scale, softcap)
+        hit = target_local >= 0
+        t = torch.where(hit, y.gather(1, target_local.clamp(min=0)[:, None])[:, 0], torch.zeros_like(y[:, 0]))
+        sy = y.sum(1) if with_sum else torch.zeros_like(t)
+        return torch.stack([torch.logsumexp(y, 1), t, sy], dim=1)
     lse, t, sy = _launch(K.chunk_stats, "chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum)), z.device, z.dtype)
     return torch.stack([lse, t, sy], dim=1)
 
@@ -141,6 +161,13 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
     """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py)."""
     if z.numel() == 0:
         return z
+    if _degenerate(*z.shape):
+        y = _transform(z, scale, softcap)
+        onehot = torch.arange(z.shape[1], device=z.device)[None, :] == target_local[:, None]
+        dy = (g * (1 + two_zl * lse))[:, None] * torch.exp(y - lse[:, None]) - onehot * (g * one_minus_eps)[:, None] - (g * eps_over_v)[:, None]
+        if softcap > 0:
+            dy = dy * (1 - (y / softcap) ** 2)
+        return z.copy_(dy * scale)
     return _launch(K.chunk_grad_, "chunk_grad",
                    (z, target_local, lse, g, float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap)),
                    z.device, z.dtype)
@@ -149,14 +176,16 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
 def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device) -> int:
     """Rows per materialised logits chunk: the byte budget over the row size.
 
-    Budget: ``override(chunk_bytes=...)``, else on CUDA 1/8 of free memory clamped to
-    [128 MiB, 1 GiB], else 256 MiB. Rows are a multiple of 128 where the total allows.
+    Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 1/16 of free memory
+    clamped to [64 MiB, 512 MiB], else 256 MiB. Rows are a multiple of 128 where the total allows.
     """
     if _OVR.chunk_bytes is not None:
         budget = _OVR.chunk_bytes
+    elif os.environ.get("FLCE_CHUNK_MB"):
+        budget = int(os.environ["FLCE_CHUNK_MB"]) << 20
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = min(max(free // 8, 128 << 20), 1 << 30)
+        budget = min(max(free // 16, 64 << 20), 512 << 20)
     else:
         budget = 256 << 20
     rows = max(1, budget // max(1, row_elems * elem_size))

@@ -15,6 +15,11 @@ import torch.distributed as dist
 
 from .shard import group_size
 
+# torch >= 2.13 names the flat collectives *_single (the old names warn); torch 2.11 (the GPU
+# image) only has the old ones. Both take a flat output: [P * rows, ...].
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Merge per-rank ``[N, 3]`` stats ``(lse_r, target_logit_r, sum_logits_r)`` into the global
@@ -24,9 +29,7 @@ def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch
     p = group_size(group)
     if p == 1:
         return stats
-    stats = stats.contiguous()
-    out = torch.empty((p, *stats.shape), dtype=stats.dtype, device=stats.device)
-    dist.all_gather_into_tensor(out, stats, group=group)
+    out = all_gather_rows(stats, group).view(p, *stats.shape)
     lse = torch.logsumexp(out[..., 0], dim=0)
     return torch.stack([lse, out[..., 1].sum(0), out[..., 2].sum(0)], dim=1)
 
@@ -45,7 +48,7 @@ def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
         return t
     t = t.contiguous()
     out = torch.empty((p * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.all_gather_into_tensor(out, t, group=group)
+    _all_gather_flat(out, t, group=group)
     return out
 
 
@@ -56,5 +59,5 @@ def reduce_scatter_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> tor
         return t
     t = t.contiguous()
     out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_tensor(out, t, group=group)
+    _reduce_scatter_flat(out, t, group=group)
     return out

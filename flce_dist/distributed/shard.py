@@ -37,11 +37,11 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 @lru_cache(maxsize=256)
 def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str) -> tuple[int, int]:
     # One all-gather of (start, size) per (group, shard) — a host sync, once per distinct shape.
-    me = torch.tensor([-1 if vocab_start is None else vocab_start, v_local], dtype=torch.int64, device=device)
+    from .collectives import all_gather_rows
+
+    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local]], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    allv = torch.empty(world, 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(allv, me, group=group)
-    rows = allv.cpu().tolist()
+    rows = all_gather_rows(me, group).cpu().tolist()
     explicit = [s for s, _ in rows]
     if any(s >= 0 for s in explicit) and any(s < 0 for s in explicit):
         raise ValueError("vocab_start must be given on every rank of the group or on none")

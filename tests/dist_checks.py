@@ -1,0 +1,213 @@
+"""Multi-rank checks, launched by torchrun (one process per rank):
+
+    torchrun --nproc_per_node=P tests/dist_checks.py [--backend gloo|nccl] [--big]
+
+Each rank builds the same full problem from one seed, takes its vocab shard (uneven when
+P does not divide V) and compares the loss, its dW slice, dX, db and per-token losses
+(``reduction="none"`` with a random grad_output) against the float64 full-logits reference, and
+against the single-rank call on the full weight. Exits non-zero on any failure (pytest reads the
+exit code: tests/test_distributed.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flce_dist  # noqa: E402
+from flce_dist import reference_loss, runtime, vocab_shard  # noqa: E402
+
+SMALL_BLOCKS = {
+    "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
+    "chunk_stats": {"block_n": 8, "block_v": 32},
+    "chunk_grad": {"block_n": 8, "block_v": 32},
+}
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+class Checker:
+    def __init__(self, rank):
+        self.rank, self.failures, self.count = rank, [], 0
+
+    def close(self, name, got, ref, tol):
+        self.count += 1
+        if got.shape != ref.shape:
+            self.failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
+            return
+        if not torch.isfinite(got).all():
+            self.failures.append(f"{name}: non-finite values")
+            return
+        e = rel(got, ref) if ref.abs().max() > 0 else got.abs().max().item()
+        if not e <= tol:
+            self.failures.append(f"{name}: rel err {e:.3e} > {tol:.1e}")
+
+    def true(self, name, cond):
+        self.count += 1
+        if not cond:
+            self.failures.append(name)
+
+
+def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignore="some", seed=0, tol=None):
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * h**-0.5
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    if ignore == "some":
+        t[torch.rand(n, generator=g) < 0.2] = -100
+    elif ignore == "all":
+        t[:] = -100
+    go = torch.randn(n, generator=g, dtype=torch.float64)
+    s, e = vocab_shard(v, r, p)
+    name = f"P={p} {dtype} {strategy} {reduction} bias={bias} sp={sp} ignore={ignore} n={n} v={v}"
+    rows = slice(r * (n // p), (r + 1) * (n // p)) if sp else slice(0, n)
+
+    xs = x[rows].to(dev, dtype).clone().requires_grad_()
+    ws = w[s:e].to(dev, dtype).clone().requires_grad_()
+    bs = b[s:e].to(dev, dtype).clone().requires_grad_() if bias else None
+    ts = t[rows].to(dev)
+    loss = flce_dist.fused_linear_cross_entropy(xs, ws, ts, bias=bs, group=group, reduction=reduction,
+                                                strategy=strategy, sequence_parallel=sp)
+    gos = go[rows].to(dev, loss.dtype) if reduction == "none" else torch.ones((), device=dev, dtype=loss.dtype)
+    loss.backward(gos)
+
+    # float64 full-logits reference on the quantised inputs
+    xr = x.to(dtype).double().clone().requires_grad_()
+    wr = w.to(dtype).double().clone().requires_grad_()
+    br = b.to(dtype).double().clone().requires_grad_() if bias else None
+    ref = reference_loss(xr, wr, t, bias=br, reduction=reduction)
+    ref.backward(go if reduction == "none" else torch.ones((), dtype=torch.float64))
+    lt, gt = tol or ((1e-5, 1e-4) if dtype != torch.bfloat16 else (1e-2, 1e-2))
+    if ignore == "all":
+        ck.true(f"{name}: all-ignored loss is 0", float(loss.detach().abs().sum()) == 0.0)
+        ck.true(f"{name}: all-ignored grads are 0", float(xs.grad.abs().sum()) == 0.0 and float(ws.grad.abs().sum()) == 0.0)
+        return
+    ck.close(f"{name}: loss", loss, ref[rows] if reduction == "none" else ref, lt)
+    ck.close(f"{name}: dW shard", ws.grad, wr.grad[s:e], gt)
+    ck.close(f"{name}: dX", xs.grad, xr.grad[rows], gt)
+    if bias:
+        ck.close(f"{name}: db shard", bs.grad, br.grad[s:e], gt)
+
+    # TP result == single-rank result with the full weight (same code path, collectives skipped)
+    if not sp and dtype != torch.bfloat16:
+        x1 = x.to(dev, dtype).clone().requires_grad_()
+        w1 = w.to(dev, dtype).clone().requires_grad_()
+        l1 = flce_dist.fused_linear_cross_entropy(x1, w1, t.to(dev), bias=None if b is None else b.to(dev, dtype),
+                                                  reduction=reduction, strategy=strategy)
+        l1.backward(go.to(dev, l1.dtype) if reduction == "none" else None)
+        ck.close(f"{name}: TP loss == TP1 loss", loss, l1, lt)
+        ck.close(f"{name}: TP dW == TP1 dW slice", ws.grad, w1.grad[s:e], gt)
+
+
+def module_and_errors(ck, dev, group):
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(123)
+    head = flce_dist.VocabParallelLMHead(24, 53, group=group, bias=True, device=dev)
+    torch.manual_seed(123)
+    lin = torch.nn.Linear(24, 53, bias=True)
+    s, e = head.shard
+    ck.true("VocabParallelLMHead init == nn.Linear slice", torch.equal(head.weight.detach().cpu(), lin.weight.detach()[s:e])
+            and torch.equal(head.bias.detach().cpu(), lin.bias.detach()[s:e]))
+    x = torch.randn(2, 5, 24, device=dev)
+    ck.true("VocabParallelLMHead logits shard shape", tuple(head(x).shape) == (2, 5, e - s))
+    t = torch.randint(0, 53, (2, 5), device=dev)
+    loss = head(x, t)
+    ref = reference_loss(x.double().cpu(), lin.weight.double(), t.cpu(), bias=lin.bias.double())
+    ck.close("VocabParallelLMHead loss", loss, ref, 1e-5)
+    # shards that do not tile [0, V): every rank claims start 0. A fresh group, so that no rank
+    # answers from its shard cache (the check runs once per (group, shard) on every rank).
+    fresh = dist.new_group(list(range(p)))
+    try:
+        flce_dist.fused_linear_cross_entropy(x, head.weight, t, group=fresh, vocab_start=0)
+        ck.true("overlapping shards raise ValueError", False)
+    except ValueError as exc:
+        ck.true(f"overlapping shards error names the tiling ({exc})", "tile" in str(exc))
+
+
+def big_memory(ck, dev, group):
+    """NCCL only: llama3 shard at N=8192; no rank allocates its [N, V_local] logits."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    n, h, v = 8192, 4096, 128256
+    s, e = vocab_shard(v, r, p)
+    x = torch.randn(n, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(e - s, h, device=dev, dtype=torch.bfloat16) * h**-0.5).requires_grad_()
+    t = torch.randint(0, v, (n,), device=dev)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    flce_dist.fused_linear_cross_entropy(x, w, t, group=group).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    grads = (x.numel() + w.numel()) * 2
+    logits = n * (e - s) * 2
+    print(f"[rank {r}] big: peak extra {extra / 2**30:.2f} GiB, grads {grads / 2**30:.2f} GiB, local logits would be {logits / 2**30:.2f} GiB")
+    ck.true(f"rank {r}: peak extra minus grads {(extra - grads) / 2**30:.2f} GiB < half the local logits", extra - grads < logits / 2)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--big", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    dist.init_process_group(args.backend)
+    group = dist.group.WORLD
+    r, p = dist.get_rank(), dist.get_world_size()
+    if args.backend == "nccl":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", r)))
+        torch.cuda.set_device(dev)
+        ctx = runtime.override()
+        dtypes = [torch.float32, torch.bfloat16]
+    else:
+        torch.set_num_threads(1)
+        dev = torch.device("cpu")
+        ctx = runtime.override(blocks=SMALL_BLOCKS, chunk_bytes=4096)
+        dtypes = [torch.float32]
+    ck = Checker(r)
+    try:
+        with ctx:
+            odd_v = 10 * p + 3  # never divisible by P
+            for dtype in dtypes:
+                for strategy in ("fused", "recompute"):
+                    for reduction in ("mean", "none"):
+                        case(ck, dev, group, n=13 * p, h=37, v=odd_v, dtype=dtype, strategy=strategy, reduction=reduction,
+                             bias=reduction == "mean", sp=False)
+                        case(ck, dev, group, n=5 * p, h=20, v=odd_v, dtype=dtype, strategy=strategy, reduction=reduction,
+                             bias=False, sp=True)
+                    case(ck, dev, group, n=7, h=16, v=odd_v, dtype=dtype, strategy=strategy, reduction="mean", bias=False,
+                         sp=False, ignore="all")
+                    case(ck, dev, group, n=3 * p, h=16, v=odd_v, dtype=dtype, strategy=strategy, reduction="sum", bias=True,
+                         sp=True, ignore="all")
+            if args.backend == "nccl":
+                for dtype in dtypes:
+                    case(ck, dev, group, n=3 * 423, h=1000, v=10000, dtype=dtype, strategy="auto", reduction="mean", bias=False, sp=False)
+                    case(ck, dev, group, n=2 * 1024, h=4096, v=32000, dtype=dtype, strategy="recompute", reduction="none", bias=False, sp=True)
+            else:
+                case(ck, dev, group, n=41, h=70, v=3 * p + 1, dtype=torch.float64, strategy="fused", reduction="mean", bias=True, sp=False,
+                     tol=(1e-12, 1e-10))
+            module_and_errors(ck, dev, group)
+            if args.big and args.backend == "nccl":
+                big_memory(ck, dev, group)
+    except Exception:  # noqa: BLE001
+        ck.failures.append("exception:\n" + traceback.format_exc())
+    for f in ck.failures:
+        print(f"[rank {r}] FAIL {f}", flush=True)
+    print(f"[rank {r}] {ck.count - len(ck.failures)} passed, {len(ck.failures)} failed", flush=True)
+    dist.destroy_process_group()
+    sys.exit(1 if ck.failures else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Multi-rank CPU tests: torchrun launches tests/dist_checks.py with gloo ranks.
+
+On the GPU machine the same checks run with NCCL:
+``torchrun --nproc_per_node=2 tests/dist_checks.py --backend nccl --big``.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_matches_reference(world):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(ROOT / "tests" / "dist_checks.py"), "--backend", "gloo"]
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = "\n".join(line for line in (res.stdout + res.stderr).splitlines() if "registered at" not in line)
+    summary = [line for line in out.splitlines() if "passed," in line or "FAIL" in line]
+    assert res.returncode == 0, out[-6000:]
+    assert len([s for s in summary if " 0 failed" in s]) == world, out[-3000:]

@@ -5,6 +5,7 @@ On the GPU machine the same checks run with NCCL:
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ def test_vocab_parallel_matches_reference(world):
     env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = "\n".join(line for line in (res.stdout + res.stderr).splitlines() if "registered at" not in line)
-    summary = [line for line in out.splitlines() if "passed," in line or "FAIL" in line]
+    summary = re.findall(r"\[rank (\d+)\] (\d+) passed, (\d+) failed", out)
     assert res.returncode == 0, out[-6000:]
-    assert len([s for s in summary if " 0 failed" in s]) == world, out[-3000:]
+    assert sorted(int(r) for r, _, _ in summary) == list(range(world)), out[-3000:]
+    assert all(int(f) == 0 and int(n) > 40 for _, n, f in summary), summary

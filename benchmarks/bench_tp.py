@@ -1,0 +1,198 @@
+"""Tensor-parallel benchmark (one process per GPU):
+
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py [--shapes llama3,qwen3,gemma] [--n 8192] [--out DIR]
+
+Per shape, each rank holds its vocab shard (uneven split allowed) and the same N tokens:
+  flce        flce_dist.fused_linear_cross_entropy(group=TP)
+  megatron    Megatron-style: shard logits x @ W_r.T in float32, all-reduce max / sum-exp / target
+              logit, softmax-grad backward, dX all-reduced (the same model of work, materialised)
+  liger_vp    Liger's LigerVocabParallelCrossEntropy on materialised bf16 shard logits
+  deepspeed   deepspeed.sequence.linear_cross_entropy.vocab_parallel_linear_cross_entropy (tp_group)
+  floor       3 x the shard matmul + one dX all-reduce ([N, H] in bf16), each timed in this run
+Times are the max over ranks of the per-rank median (CUDA events); memory is the per-rank peak
+above the inputs. Writes ``bench_tp<P>.csv`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flce_dist  # noqa: E402
+from flce_dist import vocab_shard  # noqa: E402
+
+SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient in backward (Megatron's copy_to_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _MegatronVocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        logits = logits.float()
+        m = logits.max(dim=1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        logits = logits - m[:, None]
+        tl = target - start
+        inside = (tl >= 0) & (tl < logits.shape[1])
+        tl = torch.where(inside, tl, 0)
+        pred = torch.where(inside, logits.gather(1, tl[:, None])[:, 0], 0.0)
+        dist.all_reduce(pred, group=group)
+        exp = logits.exp_()
+        s = exp.sum(1)
+        dist.all_reduce(s, group=group)
+        loss = s.log() - pred
+        exp.div_(s[:, None])
+        ctx.save_for_backward(exp, tl, inside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        sm, tl, inside = ctx.saved_tensors
+        grad = sm
+        grad[torch.arange(grad.shape[0], device=grad.device), tl] -= inside.float()
+        grad.mul_(g[:, None])
+        return grad.to(torch.bfloat16), None, None, None
+
+
+def time_ms(fn, reps, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    t = torch.tensor([statistics.median(ts)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def peak_gib(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    t = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2**30], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama3,qwen3,gemma")
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--impls", default="flce,megatron,liger_vp,deepspeed")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    impls = args.impls.split(",")
+    if "deepspeed" in impls:
+        try:
+            import deepspeed
+            from deepspeed.sequence.linear_cross_entropy import vocab_parallel_linear_cross_entropy
+
+            deepspeed.init_distributed(dist_backend="nccl")
+        except Exception as e:  # noqa: BLE001
+            print("deepspeed unavailable:", e)
+            impls.remove("deepspeed")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl")
+    group = dist.group.WORLD
+    p = dist.get_world_size()
+    lg = None
+    if "liger_vp" in impls:
+        try:
+            from liger_kernel.transformers.vocab_parallel_cross_entropy import LigerVocabParallelCrossEntropy
+
+            lg = LigerVocabParallelCrossEntropy()
+        except Exception as e:  # noqa: BLE001
+            print("liger unavailable:", e)
+            impls.remove("liger_vp")
+    rows = []
+    for name in args.shapes.split(","):
+        h, v = SHAPES[name]
+        s, e = vocab_shard(v, rank, p)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xf = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        wf = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * h**-0.5
+        x = xf.clone().requires_grad_()
+        w = wf[s:e].clone().requires_grad_()
+        del wf
+        t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
+        mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
+        buf = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16)
+        ar = time_ms(lambda: dist.all_reduce(buf), args.reps)
+        floor = 3 * mm + ar
+        rows.append(dict(shape=name, impl="floor", P=p, fwd_bwd_ms=floor, ratio=1.0, mem_gib=0.0))
+        fns = {
+            "flce": lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group),
+            "megatron": lambda: _MegatronVocabParallelCE.apply(_CopyToTP.apply(x, group) @ w.T, t, s, group).mean(),
+            "liger_vp": lambda: lg((_CopyToTP.apply(x, group) @ w.T)[:, None, :], t[:, None], tp_group=group).mean(),
+        }
+        if "deepspeed" in impls:
+            fns["deepspeed"] = lambda: vocab_parallel_linear_cross_entropy(x, w, t, tp_group=group, vocab_start_index=s,
+                                                                           vocab_end_index=e)
+        for iname in impls:
+            def fb():
+                x.grad = w.grad = None
+                fns[iname]().backward()
+
+            try:
+                ms = time_ms(fb, args.reps)
+                mem = peak_gib(fb)
+            except Exception as ex:  # noqa: BLE001
+                print(f"{name}/{iname} failed: {type(ex).__name__}: {str(ex)[:300]}")
+                continue
+            finally:
+                x.grad = w.grad = None
+                torch.cuda.empty_cache()
+            rows.append(dict(shape=name, impl=iname, P=p, fwd_bwd_ms=ms, ratio=ms / floor, mem_gib=mem))
+        del x, w, buf
+        torch.cuda.empty_cache()
+    if rank == 0:
+        outs = [Path(__file__).resolve().parent / "results"] + ([Path(args.out)] if args.out else [])
+        for d in outs:
+            d.mkdir(parents=True, exist_ok=True)
+            with open(d / f"bench_tp{p}.csv", "w", newline="") as f:
+                wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+                wr.writeheader()
+                wr.writerows(rows)
+        print(f"\nTP={p} {torch.cuda.get_device_name()} bf16 N={args.n}  (floor = 3 x shard matmul + dX all-reduce)")
+        print(f"{'shape':8} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'peak GiB/rank':>14}")
+        for r in rows:
+            print(f"{r['shape']:8} {r['impl']:10} {r['fwd_bwd_ms']:10.2f} {r['ratio']:8.2f} {r['mem_gib']:14.2f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: install carried wheels, run the GPU tests, then the benchmark(s).
-# Usage on the device tool:  bash benchmarks/device.sh [tests] [bench] [tp]   (default: all)
+# One device call: install carried wheels, then run the named steps (default: tests bench).
+#   bash benchmarks/device.sh tests tune sweep bench bench32 tp tpbench
+# Logs and CSVs go to $OUT; the last lines printed are the tables.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -8,14 +9,18 @@ if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 fi
-what=${*:-tests bench}
+ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
-for w in $what; do
+flt() { grep -v "DEBUG\|registered at"; }
+for w in ${*:-tests bench}; do
   case $w in
-    tests) timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 ;;
-    bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
-    bench32) python3 benchmarks/bench.py --dtype fp32 --shapes llama3 --impls flce,torch,matmul --out "$OUT" 2>&1 | tee "$OUT/bench32.log" | tail -12 ;;
-    tp) torchrun --nproc_per_node=2 -m pytest -q -m "dist" tests/test_distributed.py 2>&1 | tee "$OUT/tp_tests.log" | tail -30 ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
+    tune) timeout 240 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;
+    sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;
+    bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -22 ;;
+    bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32.log" | tail -6 ;;
+    tp) timeout 300 torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error" | tail -20 ;;
+    tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -22 ;;
   esac
 done

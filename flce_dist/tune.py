@@ -1,0 +1,118 @@
+"""Bounded config search for the Helion kernels (never a full autotune).
+
+    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--out configs/helion/h200.json]
+
+Times a short, hand-picked list of block sizes and ``helion.Config`` fields per kernel on
+representative inputs (random, never zeros; warm-up, median of CUDA-event timings), prints each
+candidate against the bare cuBLAS matmul of the same shape, and merges the winners into the
+config file under the dtype class, with a ``how`` note recording the search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+import helion
+import torch
+
+from . import kernels as K
+from . import runtime as R
+
+LSE_CANDIDATES = [
+    dict(block=dict(block_n=bn, block_v=bv, block_h=bh),
+         config=dict(num_warps=nw, num_stages=ns, indexing="tensor_descriptor", l2_groupings=[g]))
+    for (bn, bv, bh), nw, ns, g in itertools.product([(256, 128, 64), (128, 256, 64), (128, 128, 64)], [8], [3, 4], [8, 16])
+]
+STATS_CANDIDATES = [
+    dict(block=dict(block_n=bn, block_v=bv), config=dict(num_warps=nw, num_stages=2))
+    for bn, bv, nw in [(1, 2048, 8), (2, 2048, 8), (4, 1024, 8), (4, 2048, 16), (8, 512, 8), (8, 1024, 8)]
+]
+GRAD_CANDIDATES = [
+    dict(block=dict(block_n=bn, block_v=bv), config=dict(num_warps=nw, num_stages=2))
+    for bn, bv, nw in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (64, 256, 8), (32, 512, 16), (8, 1024, 8)]
+]
+
+
+def _time(fn, reps=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def _run(kernel, args, cand, order):
+    full = (*args, *(cand["block"][k] for k in order))
+    bound = kernel.bind(full)
+    bound.set_config(helion.Config(**cand["config"]))
+    return lambda: bound(*full)
+
+
+def search(n, h, v, dtype, rows=1024):
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(n, h, device=dev, dtype=dtype, generator=g)
+    w = torch.randn(v, h, device=dev, dtype=dtype, generator=g) * h**-0.5
+    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    mm = _time(lambda: x @ w.T)
+    z = x[:rows] @ w.T
+    zmm = _time(lambda: x[:rows] @ w.T)
+    lse = torch.logsumexp(z.float(), 1)
+    gw = torch.rand(rows, device=dev)
+    print(f"cuBLAS x@W.T {mm:.3f} ms;  chunk [{rows}, {v}] matmul {zmm:.3f} ms")
+    best, how = {}, {}
+    specs = [
+        ("lse_forward", K.lse_forward_partials, (x, w, w.new_zeros(1), t, 1.0, 0.0, False, False), LSE_CANDIDATES, ("block_n", "block_v", "block_h"), mm),
+        ("chunk_stats", K.chunk_stats, (z, t[:rows], 1.0, 0.0, False), STATS_CANDIDATES, ("block_n", "block_v"), zmm),
+        ("chunk_grad", K.chunk_grad_, (z.clone(), t[:rows], lse, gw, 1.0, 0.0, 1.0, 0.0, 0.0), GRAD_CANDIDATES, ("block_n", "block_v"), zmm),
+    ]
+    for name, kern, args, cands, order, ref in specs:
+        results = []
+        for c in cands:
+            try:
+                ms = _time(_run(kern, args, c, order))
+            except Exception as e:  # noqa: BLE001
+                print(f"  {name} {c} failed: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            results.append((ms, c))
+            print(f"  {name:12} {ms:8.3f} ms  x{ms / ref:5.2f} of its matmul  {c}")
+        ms, c = min(results, key=lambda r: r[0])
+        best[name] = c
+        how[name] = (f"bounded search of {len(cands)} candidates, N={n} H={h} V={v} {dtype}, rows={rows}, "
+                     f"{torch.cuda.get_device_name()}, {datetime.date.today()}: {ms:.3f} ms = {ms / ref:.2f}x its cuBLAS matmul")
+    return best, how
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--h", type=int, default=4096)
+    ap.add_argument("--v", type=int, default=128256)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--out", default=str(R._CONFIG_DIR / "h200.json"))
+    args = ap.parse_args()
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    best, how = search(args.n, args.h, args.v, dt)
+    path = Path(args.out)
+    table = json.loads(path.read_text()) if path.is_file() else {}
+    for name, c in best.items():
+        table.setdefault(name, {})[args.dtype] = {**c, "how": how[name]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

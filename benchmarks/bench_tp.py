@@ -94,7 +94,11 @@ def time_ms(fn, reps, warmup=3):
     return t.item()
 
 
-def peak_gib(fn):
+def peak_gib(fn, *params):
+    """Peak memory above the inputs during one call of ``fn``, INCLUDING the gradients it returns
+    (the grads of ``params`` are cleared first, so they are not counted in the baseline)."""
+    for t in params:
+        t.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -169,7 +173,7 @@ def main():
 
             try:
                 ms = time_ms(fb, args.reps)
-                mem = peak_gib(fb)
+                mem = peak_gib(fb, x, w)
             except Exception as ex:  # noqa: BLE001
                 print(f"{name}/{iname} failed: {type(ex).__name__}: {str(ex)[:300]}")
                 continue

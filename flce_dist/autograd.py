@@ -30,10 +30,11 @@ from .params import FLCEParams
 
 
 def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Tensor:
-    """Shard-local target ids; -1 where the target is ignored or owned by another rank."""
+    """Shard-local target ids (int32: the kernels compare them with int32 tile indices; int64
+    compares are emulated on the GPU); -1 where the target is ignored or owned by another rank."""
     tl = target - p.vocab_start
     ok = (tl >= 0) & (tl < v_local) & (target != p.ignore_index)
-    return torch.where(ok, tl, torch.full_like(tl, -1))
+    return torch.where(ok, tl, torch.full_like(tl, -1)).to(torch.int32)
 
 
 def token_loss(stats: torch.Tensor, valid: torch.Tensor, p: FLCEParams) -> torch.Tensor:
@@ -86,12 +87,6 @@ def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: 
     if x.shape[0] == 0 or w.shape[0] == 0:
         local = torch.zeros(x.shape[0], 3, dtype=_stat_dtype(x), device=x.device)
         local[:, 0] = float("-inf")  # an empty shard contributes nothing to the lse
-    elif x.dtype == torch.float64:
-        # hl.dot has no float64: float64 (gradchecks) goes through cuBLAS/torch chunks + chunk_stats.
-        n = x.shape[0]
-        rows = R.chunk_rows(n, w.shape[0], x.element_size(), x.device)
-        local = torch.cat([R.chunk_stats(_logits(x[i:i + rows], w, b), tl[i:i + rows], p.logit_scale, p.softcap, p.needs_sum)
-                           for i in range(0, n, rows)])
     else:
         local = R.lse_forward(x, w, b, tl, p.logit_scale, p.softcap, p.needs_sum)
     return combine_stats(local, group)
@@ -111,10 +106,12 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     kw = _grad_kw(p)
     handles = []
     sp = p.sequence_parallel
+    zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
     for i in range(0, n, rows):
         xc, tc = x[i:i + rows], tl[i:i + rows]
-        z = _logits(xc, w, b)
-        st = combine_stats(R.chunk_stats(z, tc, p.logit_scale, p.softcap, p.needs_sum), group)
+        z = zbuf[: xc.shape[0]]
+        # one Helion pass: the chunk's logits (stored) and their per-row statistics
+        st = combine_stats(R.lse_forward(xc, w, b, tc, p.logit_scale, p.softcap, p.needs_sum, z_out=z), group)
         stats[i:i + rows] = st
         R.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
         torch.mm(z, w, out=dx[i:i + rows])
@@ -154,7 +151,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     for j in range(0, v, cols):
         wc = w[j:j + cols]
         z = _logits(x, wc, None if b is None else b[j:j + cols])
-        R.chunk_grad_(z, tl - j, lse, g, **kw)
+        R.chunk_grad_(z, tl - j, lse, g, **kw)  # tl - j stays int32
         dx += torch.mm(z, wc)
         if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
             out = dx.to(x.dtype)
@@ -192,18 +189,22 @@ class FLCEFunction(torch.autograd.Function):
         valid = tgt != p.ignore_index
         needs_grad = any(ctx.needs_input_grad[:3])
         fused = needs_grad and p.reduction != "none" and p.strategy in ("auto", "fused")
+        pre = None
         if fused:
             g = row_weights(valid, p, num_items, _stat_dtype(x))
             stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
             if sp:
                 dx = reduce_scatter_rows(dx, group)
-            ctx.save_for_backward(dx, dw, db)
+            pre = (dx, dw, db)
         else:
             stats = forward_stats(x, weight, bias, tl, p, group)
-            if needs_grad:
-                ctx.save_for_backward(x, weight, bias, tl, stats[:, 0].contiguous(), valid,
-                                      num_items if num_items is not None else None)
-        ctx.fused, ctx.p, ctx.group, ctx.sp, ctx.n_in = fused, p, group, sp, n_in
+        if needs_grad:
+            # inputs cost nothing to keep; they let a second backward (retain_graph, gradcheck)
+            # of the fused strategy recompute, once its precomputed gradients were handed out
+            ctx.save_for_backward(x, weight, bias, tl, stats[:, 0].contiguous(), valid, num_items)
+        # Precomputed gradients live on ctx, not in saved_tensors: the backward drops ctx's
+        # reference so that autograd can take dW without a copy (a copy would double its memory).
+        ctx.pre, ctx.p, ctx.group, ctx.sp, ctx.n_in = pre, p, group, sp, n_in
         ctx.w_dtype = weight.dtype
         loss_rows = token_loss(stats, valid, p)
         # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device
@@ -225,11 +226,13 @@ class FLCEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse):
         p: FLCEParams = ctx.p
-        if ctx.fused:
-            dx, dw, db = ctx.saved_tensors
+        if ctx.pre is not None:
+            # fused strategy: gradients formed in the forward, scaled by grad_output in place
+            dx, dw, db = ctx.pre
+            ctx.pre = None
             go = grad_loss.to(torch.float64 if dx.dtype == torch.float64 else torch.float32)
-            dx = dx * go.to(dx.dtype) if ctx.needs_input_grad[0] else None
-            dw = dw * go.to(dw.dtype) if ctx.needs_input_grad[1] else None
+            dx = dx.mul_(go.to(dx.dtype)) if ctx.needs_input_grad[0] else None
+            dw = dw.mul_(go.to(dw.dtype)) if ctx.needs_input_grad[1] else None
             db = (db * go).to(ctx.w_dtype) if db is not None and ctx.needs_input_grad[2] else None
             return dx, dw, db, None, None, None, None
         x, w, b, tl, lse, valid, num_items = ctx.saved_tensors

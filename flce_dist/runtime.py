@@ -123,15 +123,20 @@ def _degenerate(*sizes: int) -> bool:
 
 
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
-                scale: float, softcap: float, with_sum: bool) -> torch.Tensor:
-    """Per-row ``[N, 3]`` float32 stats (shard lse, target logit, sum of logits) without logits."""
-    if _degenerate(*x.shape, w.shape[0]):
+                scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row ``[N, 3]`` float32 stats (shard lse, target logit, sum of logits); the logits are
+    written to ``z_out`` [N, V] when given (the fused strategy), else never stored."""
+    if _degenerate(*x.shape, w.shape[0]) or x.dtype == torch.float64:
+        # size-1 dims (Helion 1.4 bug) and float64 (hl.dot has none): cuBLAS/torch logits + chunk_stats
         z = torch.mm(x, w.T) if bias is None else torch.addmm(bias, x, w.T)
+        if z_out is not None:
+            z_out.copy_(z)
         return chunk_stats(z, target_local, scale, softcap, with_sum)
     b = bias if bias is not None else w.new_zeros(1)
+    zo = z_out if z_out is not None else x.new_empty(1, 1)
     pmax, psum, ptgt, psumy = _launch(
         K.lse_forward_partials, "lse_forward",
-        (x, w, b, target_local, float(scale), float(softcap), bias is not None, bool(with_sum)),
+        (x, w, b, target_local, zo, float(scale), float(softcap), bias is not None, z_out is not None, bool(with_sum)),
         x.device, x.dtype,
     )
     m = pmax.amax(0)
@@ -149,7 +154,7 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
     if _degenerate(*z.shape):
         y = _transform(z, scale, softcap)
         hit = target_local >= 0
-        t = torch.where(hit, y.gather(1, target_local.clamp(min=0)[:, None])[:, 0], torch.zeros_like(y[:, 0]))
+        t = torch.where(hit, y.gather(1, target_local.clamp(min=0).long()[:, None])[:, 0], torch.zeros_like(y[:, 0]))
         sy = y.sum(1) if with_sum else torch.zeros_like(t)
         return torch.stack([torch.logsumexp(y, 1), t, sy], dim=1)
     lse, t, sy = _launch(K.chunk_stats, "chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum)), z.device, z.dtype)
@@ -177,7 +182,8 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device)
     """Rows per materialised logits chunk: the byte budget over the row size.
 
     Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 1/16 of free memory
-    clamped to [64 MiB, 512 MiB], else 256 MiB. Rows are a multiple of 128 where the total allows.
+    clamped to [64 MiB, 384 MiB], else 256 MiB. 384 MiB keeps the llama3 fused step at ~1.4 GiB
+    peak including dW (benchmarks/NOTES.md: 256 MiB cost 5% time, 1 GiB saved 2%). Rows are a multiple of 128 where the total allows.
     """
     if _OVR.chunk_bytes is not None:
         budget = _OVR.chunk_bytes
@@ -185,7 +191,7 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device)
         budget = int(os.environ["FLCE_CHUNK_MB"]) << 20
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = min(max(free // 16, 64 << 20), 512 << 20)
+        budget = min(max(free // 16, 64 << 20), 384 << 20)
     else:
         budget = 256 << 20
     rows = max(1, budget // max(1, row_elems * elem_size))

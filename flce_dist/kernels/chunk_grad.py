@@ -9,7 +9,7 @@ GLOBAL per-row logsumexp, per-row gradient weight ``g`` (0 for ignored rows), la
 
 Grid: (token tile x vocab tile) over ``z [Nc, Vc]``; each element is read once and written once in
 ``z``'s dtype. Out-of-bounds elements of partial tiles are neither read nor written.
-Per-row inputs: ``lse [Nc]``, ``g [Nc]`` float32, ``target_local [Nc]`` (-1: no target here).
+Per-row inputs: ``lse [Nc]``, ``g [Nc]`` float32, ``target_local [Nc]`` int32 (-1: no target here).
 """
 
 from __future__ import annotations

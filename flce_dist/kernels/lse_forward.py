@@ -4,6 +4,10 @@ Algorithm (per rank; ``W`` is this rank's ``[V, H]`` shard):
 
     for each (vocab tile v, token tile n)          # a matmul-shaped grid: (V/BV) x (N/BN) programs
         z      = x[n, :] @ W[v, :].T  (+ b[v])     # [BN, BV], float32 accumulation over H tiles
+        z      = round(z, dtype of x)              # 16-bit inputs: logits in the input dtype, as
+                                                   # torch/Liger/CCE have them, so that a backward
+                                                   # that recomputes them with cuBLAS is consistent
+        z_out[n, v] = z                            # only with store_logits (the fused strategy)
         y      = transform(z)                      # z * scale, then softcap * tanh(y / softcap)
         pmax[v_tile, n] = max_v y                  # per-row partials of this tile
         psum[v_tile, n] = sum_v exp(y - pmax)
@@ -15,7 +19,8 @@ into the shard's logsumexp and target logit. A grid over token tiles only gives 
 (64 at N=8192) for 132 SMs; this grid keeps the matmul's parallelism (SPEC §6: 1.05x cuBLAS).
 
 Shapes: x [N, H], w [V, H], bias [V] (or a [1] dummy with ``has_bias=False``),
-target_local [N] int64 (-1 where the target is ignored or outside the shard).
+target_local [N] int32 (-1 where the target is ignored or outside the shard), z_out [N, V] in x's
+dtype (or a [1, 1] dummy without ``store_logits``).
 Out-of-bounds rows/columns of partial tiles are masked: their logits are set to -inf before the
 max, and their stores are dropped.
 """
@@ -33,9 +38,11 @@ def lse_forward_partials(
     w: torch.Tensor,
     bias: torch.Tensor,
     target_local: torch.Tensor,
+    z_out: torch.Tensor,
     scale: float,
     softcap: hl.constexpr,
     has_bias: hl.constexpr,
+    store_logits: hl.constexpr,
     with_sum: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
@@ -54,7 +61,10 @@ def lse_forward_partials(
             acc = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=acc)
         if has_bias:
             acc = acc + bias[tile_v].to(torch.float32)[None, :]
-        y = acc * scale
+        zq = acc.to(x.dtype)
+        if store_logits:
+            z_out[tile_n, tile_v] = zq
+        y = zq.to(torch.float32) * scale
         if softcap > 0:
             y = softcap * torch.tanh(y / softcap)
         valid = (tile_v.index < v)[None, :]

@@ -27,10 +27,15 @@ DT = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def _impls():
-    def flce(strategy):
-        return lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy)
+    from flce_dist import runtime
 
-    impls = {"flce": flce("auto"), "flce_recompute": flce("recompute")}
+    def flce(strategy, fused_logits="helion"):
+        def run(x, w, t):
+            with runtime.override(fused_logits=fused_logits):
+                return flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy)
+        return run
+
+    impls = {"flce": flce("auto"), "flce_cublas": flce("auto", "cublas"), "flce_recompute": flce("recompute")}
     impls["torch"] = lambda x, w, t: F.cross_entropy((x @ w.T).float(), t)
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -106,12 +106,17 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     kw = _grad_kw(p)
     handles = []
     sp = p.sequence_parallel
-    zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
+    helion_logits = R.fused_logits_mode() == "helion"
+    zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device) if helion_logits else None
     for i in range(0, n, rows):
         xc, tc = x[i:i + rows], tl[i:i + rows]
-        z = zbuf[: xc.shape[0]]
-        # one Helion pass: the chunk's logits (stored) and their per-row statistics
-        st = combine_stats(R.lse_forward(xc, w, b, tc, p.logit_scale, p.softcap, p.needs_sum, z_out=z), group)
+        if helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
+            z = zbuf[: xc.shape[0]]
+            local = R.lse_forward(xc, w, b, tc, p.logit_scale, p.softcap, p.needs_sum, z_out=z)
+        else:  # cuBLAS logits, then one read of them for the statistics
+            z = _logits(xc, w, b)
+            local = R.chunk_stats(z, tc, p.logit_scale, p.softcap, p.needs_sum)
+        st = combine_stats(local, group)
         stats[i:i + rows] = st
         R.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
         torch.mm(z, w, out=dx[i:i + rows])

@@ -47,24 +47,36 @@ _CPU_DEFAULTS: dict[str, dict[str, Any]] = {
 class _Overrides:
     blocks: dict[str, dict[str, int]] = field(default_factory=dict)
     chunk_bytes: int | None = None
+    # how the fused strategy forms a chunk's logits: "helion" (lse_forward stores them and their
+    # statistics in one pass) or "cublas" (cuBLAS matmul, then the chunk_stats kernel)
+    fused_logits: str = os.environ.get("FLCE_FUSED_LOGITS", "helion")
 
 
 _OVR = _Overrides()
 
 
 @contextlib.contextmanager
-def override(*, blocks: dict[str, dict[str, int]] | None = None, chunk_bytes: int | None = None) -> Iterator[None]:
-    """Temporarily set kernel block sizes (``{"lse_forward": {"block_n": 16, ...}}``) and/or the
-    byte budget of one materialised logits chunk."""
-    old = (dict(_OVR.blocks), _OVR.chunk_bytes)
+def override(*, blocks: dict[str, dict[str, int]] | None = None, chunk_bytes: int | None = None,
+             fused_logits: str | None = None) -> Iterator[None]:
+    """Temporarily set kernel block sizes (``{"lse_forward": {"block_n": 16, ...}}``), the byte
+    budget of one materialised logits chunk, and/or how the fused strategy forms its logits."""
+    old = (dict(_OVR.blocks), _OVR.chunk_bytes, _OVR.fused_logits)
     if blocks:
         _OVR.blocks = {**_OVR.blocks, **blocks}
     if chunk_bytes is not None:
         _OVR.chunk_bytes = chunk_bytes
+    if fused_logits is not None:
+        if fused_logits not in ("helion", "cublas"):
+            raise ValueError(f"fused_logits must be 'helion' or 'cublas', got {fused_logits!r}")
+        _OVR.fused_logits = fused_logits
     try:
         yield
     finally:
-        _OVR.blocks, _OVR.chunk_bytes = old
+        _OVR.blocks, _OVR.chunk_bytes, _OVR.fused_logits = old
+
+
+def fused_logits_mode() -> str:
+    return _OVR.fused_logits
 
 
 def arch_of(device: torch.device) -> str:

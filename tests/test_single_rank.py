@@ -673,3 +673,20 @@ def test_noncontiguous_strided_everything(small_tiles, request, strategy):
     assert_close("loss", loss, ref, 1e-5)
     assert_close("d_hidden", x.grad, xd.grad, 1e-4)
     assert_close("d_weight", wleaf.grad, wd.grad, 1e-4)
+
+
+@pytest.mark.parametrize("fused_logits", ["helion", "cublas"])
+def test_fused_logits_modes_match_reference(small_tiles, request, fused_logits):
+    """Both ways of forming a chunk's logits in the fused strategy (Helion lse_forward storing
+    them, or cuBLAS + chunk_stats) give the reference loss and gradients, over several chunks."""
+    n, h, v = 37, 70, 101
+    hidden, weight, b, target = make_inputs(_seed(request), n, h, v, torch.float32, bias=True)
+    with runtime.override(fused_logits=fused_logits):
+        got = run_flce(hidden, weight, b, target, strategy="fused", chunk_bytes=chunk_bytes_for("fused", n, v, torch.float32))
+    check_all(got, run_ref(hidden, weight, b, target), torch.float32)
+
+
+def test_fused_logits_mode_rejects_unknown():
+    with pytest.raises(ValueError, match="fused_logits"):
+        with runtime.override(fused_logits="triton"):
+            pass

@@ -11,7 +11,7 @@ if [ -d .whl ]; then
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+{ git rev-parse --short HEAD 2>/dev/null || cat .device_commit 2>/dev/null; } | tee "$OUT/commit.txt"  # the device copy has no .git: before the call run `git rev-parse --short HEAD > .device_commit` and carry it
 flt() { grep -v "DEBUG\|registered at"; }
 for w in ${*:-tests bench}; do
   case $w in

@@ -98,7 +98,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded)."""
     n, _ = x.shape
     v = w.shape[0]
-    rows = R.chunk_rows(n, v, x.element_size(), x.device)
+    rows = R.chunk_rows(n, v, x.element_size(), x.device, reserved_bytes=(w.numel() + x.numel()) * x.element_size())
     stats = torch.empty(n, 3, dtype=_stat_dtype(x), device=x.device)
     dx = torch.empty_like(x)
     dw = torch.zeros_like(w)
@@ -140,7 +140,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks."""
     n, _ = x.shape
     v = w.shape[0]
-    cols = R.chunk_rows(v, n, x.element_size(), x.device)
+    cols = R.chunk_rows(v, n, x.element_size(), x.device, reserved_bytes=w.numel() * w.element_size() + x.numel() * 6)
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     dx = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     dw = torch.empty_like(w)

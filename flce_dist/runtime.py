@@ -190,12 +190,17 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
                    z.device, z.dtype)
 
 
-def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device) -> int:
+TARGET_PEAK_BYTES = int(1.45 * 2**30)  # the loss's own peak (gradients included) to stay under
+
+
+def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, reserved_bytes: int = 0) -> int:
     """Rows per materialised logits chunk: the byte budget over the row size.
 
     Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 1/16 of free memory
-    clamped to [64 MiB, 384 MiB], else 256 MiB. 384 MiB keeps the llama3 fused step at ~1.4 GiB
-    peak including dW (benchmarks/NOTES.md: 256 MiB cost 5% time, 1 GiB saved 2%). Rows are a multiple of 128 where the total allows.
+    clamped to [64 MiB, 384 MiB] and, where that is larger, to ``TARGET_PEAK_BYTES`` minus
+    ``reserved_bytes`` (the dW/dX buffers the caller holds at the same time; never below 64 MiB);
+    else (CPU) 256 MiB. Measured on the H200 at llama3 (benchmarks/NOTES.md): 256 MiB chunks cost
+    ~5% time against 1 GiB, 384 MiB ~2%. Rows are a multiple of 128 where the total allows.
     """
     if _OVR.chunk_bytes is not None:
         budget = _OVR.chunk_bytes
@@ -204,6 +209,7 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device)
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = min(max(free // 16, 64 << 20), 384 << 20)
+        budget = max(64 << 20, min(budget, TARGET_PEAK_BYTES - reserved_bytes))
     else:
         budget = 256 << 20
     rows = max(1, budget // max(1, row_elems * elem_size))

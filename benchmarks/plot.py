@@ -1,0 +1,64 @@
+"""Plot benchmark CSVs: time (ratio to the floor) and peak memory per implementation and shape.
+
+    python benchmarks/plot.py benchmarks/results/run4/bench_bf16.csv benchmarks/results/run5/bench_tp2.csv \
+        --out benchmarks/results/summary.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _load(path: Path) -> tuple[str, list[dict]]:
+    rows = list(csv.DictReader(open(path)))
+    tp = "P" in rows[0]
+    title = f"TP={rows[0]['P']}" if tp else "TP=1"
+    return title, rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("csv", nargs="+")
+    ap.add_argument("--out", default="benchmarks/results/summary.png")
+    args = ap.parse_args()
+    sets = [_load(Path(p)) for p in args.csv]
+    fig, axes = plt.subplots(len(sets), 2, figsize=(13, 3.6 * len(sets)), squeeze=False)
+    for (title, rows), (ax_t, ax_m) in zip(sets, axes):
+        ratio_key = "ratio" if "ratio" in rows[0] else "ratio_fb"
+        shapes = list(dict.fromkeys(r["shape"] for r in rows))
+        impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i not in ("matmul", "floor")]
+        width = 0.8 / max(1, len(impls))
+        for k, impl in enumerate(impls):
+            xs, ts, ms = [], [], []
+            for j, s in enumerate(shapes):
+                r = next((r for r in rows if r["shape"] == s and r["impl"] == impl), None)
+                if r:
+                    xs.append(j + k * width)
+                    ts.append(float(r[ratio_key]))
+                    ms.append(float(r["mem_gib"]))
+            ax_t.bar(xs, ts, width, label=impl)
+            ax_m.bar(xs, ms, width, label=impl)
+        for ax in (ax_t, ax_m):
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+        ax_t.axhline(1.0, color="k", lw=0.8)
+        ax_t.set_ylabel("fwd+bwd time / floor")
+        ax_t.set_title(f"{title}: time relative to {'3 matmuls' if title == 'TP=1' else '3 shard matmuls + dX all-reduce'}")
+        ax_m.set_ylabel("peak GiB (grads included)")
+        ax_m.set_yscale("log")
+        ax_m.set_title(f"{title}: peak memory per rank")
+        ax_t.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,6 +20,7 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+@torch.compiler.disable  # a graph break under torch.compile: Helion launches + collectives stay eager
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -37,6 +38,7 @@ def fused_linear_cross_entropy(
     temperature: float = 1.0,
     sequence_parallel: bool = False,
     return_lse: bool = False,
+    return_token_accuracy: bool = False,
     strategy: str = "auto",
 ):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
@@ -48,8 +50,15 @@ def fused_linear_cross_entropy(
     and target are this rank's equal-sized token slice (rank order); the per-token outputs
     (``reduction="none"``, lse) are for that slice too, and dX is reduce-scattered back.
     ``strategy``: ``"auto"`` (default), ``"fused"`` or ``"recompute"`` (see ``autograd.py``).
-    Returns the loss, or ``(loss, lse)`` with ``return_lse=True`` (lse: global per-token
-    logsumexp, shaped like target, not differentiable).
+    Returns the loss; with ``return_lse=True`` also the global per-token logsumexp, and with
+    ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
+    shards; a tie with the target counts as correct; ignored tokens are False), each shaped like
+    target and not differentiable, in that order: ``loss[, lse][, correct]``.
+
+    Collectives per call with a group of P ranks (N tokens, H hidden): forward one all-gather of
+    ``[N, 4]`` float32 stats (the fused strategy: one per token chunk, same bytes); backward one
+    all-reduce of dX (``N*H``, hidden's dtype); sequence parallel: plus all-gathers of hidden and
+    target and a reduce-scatter of dX instead of the all-reduce.
     """
     hidden = _check_tensor("hidden", hidden)
     weight = _check_tensor("weight", weight)
@@ -115,9 +124,8 @@ def fused_linear_cross_entropy(
         temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and group_size(group) > 1,
         return_lse=bool(return_lse), strategy=strategy,
     )
-    loss, lse = FLCEFunction.apply(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
+    loss, lse, correct = FLCEFunction.apply(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
     if reduction == "none":
         loss = loss.reshape(target.shape)
-    if return_lse:
-        return loss, lse.reshape(target.shape)
-    return loss
+    extras = ([lse.reshape(target.shape)] if return_lse else []) + ([correct.reshape(target.shape)] if return_token_accuracy else [])
+    return (loss, *extras) if extras else loss

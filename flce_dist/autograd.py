@@ -1,7 +1,8 @@
 """The autograd Function: the only place where kernels and collectives meet.
 
 Notation (per rank of a TP group of size P): x [N, H] (all tokens; under sequence parallelism the
-gathered ones), W [V_r, H] this rank's shard, stats [N, 3] = (lse, target logit, sum of logits).
+gathered ones), W [V_r, H] this rank's shard, stats [N, 4] = (lse, target logit, sum of logits,
+max logit).
 
 Two strategies share every kernel and collective:
 
@@ -39,7 +40,7 @@ def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Te
 
 def token_loss(stats: torch.Tensor, valid: torch.Tensor, p: FLCEParams) -> torch.Tensor:
     """Per-token loss from the global stats: lse - (1-eps) y_t - eps/V sum_v y + zl lse^2."""
-    lse, t, sumy = stats.unbind(1)
+    lse, t, sumy, _ = stats.unbind(1)
     loss = lse - (1.0 - p.label_smoothing) * t
     if p.label_smoothing > 0:
         loss = loss - (p.label_smoothing / p.vocab_size) * sumy
@@ -85,8 +86,9 @@ def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: 
                   p: FLCEParams, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Global per-token stats [N, 3] without keeping logits (one collective)."""
     if x.shape[0] == 0 or w.shape[0] == 0:
-        local = torch.zeros(x.shape[0], 3, dtype=_stat_dtype(x), device=x.device)
-        local[:, 0] = float("-inf")  # an empty shard contributes nothing to the lse
+        local = torch.zeros(x.shape[0], 4, dtype=_stat_dtype(x), device=x.device)
+        local[:, 0] = float("-inf")  # an empty shard contributes nothing to the lse or the max
+        local[:, 3] = float("-inf")
     else:
         local = R.lse_forward(x, w, b, tl, p.logit_scale, p.softcap, p.needs_sum)
     return combine_stats(local, group)
@@ -98,8 +100,11 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded)."""
     n, _ = x.shape
     v = w.shape[0]
-    rows = R.chunk_rows(n, v, x.element_size(), x.device, reserved_bytes=(w.numel() + x.numel()) * x.element_size())
-    stats = torch.empty(n, 3, dtype=_stat_dtype(x), device=x.device)
+    # Every rank must plan the same token chunks (one stats all-gather per chunk): plan with the
+    # largest shard of an even split, ceil(V / P), not this rank's own size.
+    v_plan = -(-p.vocab_size // group_size(group))
+    rows = R.chunk_rows(n, v_plan, x.element_size(), x.device, reserved_bytes=(v_plan + n) * x.shape[1] * x.element_size())
+    stats = torch.empty(n, 4, dtype=_stat_dtype(x), device=x.device)
     dx = torch.empty_like(x)
     dw = torch.zeros_like(w)
     db = torch.zeros(v, dtype=_stat_dtype(x), device=x.device) if b is not None else None
@@ -179,8 +184,9 @@ class FLCEFunction(torch.autograd.Function):
 
     Inputs: hidden [N_in, H] (N_in = N / P under sequence parallelism), weight [V_r, H],
     bias [V_r] or None, target [N_in] global ids, num_items (0-d tensor or None).
-    Outputs: loss (scalar, or [N_in] for reduction="none"), lse [N_in] (global, not
-    differentiable).
+    Outputs: loss (scalar, or [N_in] for reduction="none"), lse [N_in] (global) and correct [N_in]
+    (bool: target == argmax over all shards; False for ignored tokens); the last two are not
+    differentiable.
     """
 
     @staticmethod
@@ -225,11 +231,13 @@ class FLCEFunction(torch.autograd.Function):
         else:
             loss = reduce_loss(loss_rows, valid, p, num_items)
         lse = stats[rank_slice, 0].clone()
-        ctx.mark_non_differentiable(lse)
-        return loss, lse
+        # token accuracy: the target's logit is the row max over all shards (ties count as correct)
+        correct = (valid & (stats[:, 1] >= stats[:, 3]))[rank_slice]
+        ctx.mark_non_differentiable(lse, correct)
+        return loss, lse, correct
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_lse):
+    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
         p: FLCEParams = ctx.p
         if ctx.pre is not None:
             # fused strategy: gradients formed in the forward, scaled by grad_output in place

@@ -136,7 +136,7 @@ def _degenerate(*sizes: int) -> bool:
 
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-row ``[N, 3]`` float32 stats (shard lse, target logit, sum of logits); the logits are
+    """Per-row ``[N, 4]`` float32 stats (shard lse, target logit, sum of logits, max logit); the logits are
     written to ``z_out`` [N, V] when given (the fused strategy), else never stored."""
     if _degenerate(*x.shape, w.shape[0]) or x.dtype == torch.float64:
         # size-1 dims (Helion 1.4 bug) and float64 (hl.dot has none): cuBLAS/torch logits + chunk_stats
@@ -154,23 +154,24 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     m = pmax.amax(0)
     lse = m + torch.log((psum * torch.exp(pmax - m)).sum(0))
     sumy = psumy.sum(0) if with_sum else torch.zeros_like(m)
-    return torch.stack([lse, ptgt.sum(0), sumy], dim=1)
+    return torch.stack([lse, ptgt.sum(0), sumy, m], dim=1)
 
 
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool) -> torch.Tensor:
-    """Per-row ``[Nc, 3]`` stats of a materialised logits chunk ``z``."""
-    if z.numel() == 0:  # empty chunk or empty shard: lse -inf, sums 0
-        out = torch.zeros(z.shape[0], 3, dtype=torch.float64 if z.dtype == torch.float64 else torch.float32, device=z.device)
+    """Per-row ``[Nc, 4]`` stats (lse, target logit, sum, max) of a materialised logits chunk ``z``."""
+    if z.numel() == 0:  # empty chunk or empty shard: lse and max -inf, sums 0
+        out = torch.zeros(z.shape[0], 4, dtype=torch.float64 if z.dtype == torch.float64 else torch.float32, device=z.device)
         out[:, 0] = float("-inf")
+        out[:, 3] = float("-inf")
         return out
     if _degenerate(*z.shape):
         y = _transform(z, scale, softcap)
         hit = target_local >= 0
         t = torch.where(hit, y.gather(1, target_local.clamp(min=0).long()[:, None])[:, 0], torch.zeros_like(y[:, 0]))
         sy = y.sum(1) if with_sum else torch.zeros_like(t)
-        return torch.stack([torch.logsumexp(y, 1), t, sy], dim=1)
-    lse, t, sy = _launch(K.chunk_stats, "chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum)), z.device, z.dtype)
-    return torch.stack([lse, t, sy], dim=1)
+        return torch.stack([torch.logsumexp(y, 1), t, sy, y.amax(1)], dim=1)
+    lse, t, sy, mx = _launch(K.chunk_stats, "chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum)), z.device, z.dtype)
+    return torch.stack([lse, t, sy, mx], dim=1)
 
 
 def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
@@ -196,20 +197,21 @@ TARGET_PEAK_BYTES = int(1.45 * 2**30)  # the loss's own peak (gradients included
 def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, reserved_bytes: int = 0) -> int:
     """Rows per materialised logits chunk: the byte budget over the row size.
 
-    Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 1/16 of free memory
-    clamped to [64 MiB, 384 MiB] and, where that is larger, to ``TARGET_PEAK_BYTES`` minus
-    ``reserved_bytes`` (the dW/dX buffers the caller holds at the same time; never below 64 MiB);
-    else (CPU) 256 MiB. Measured on the H200 at llama3 (benchmarks/NOTES.md): 256 MiB chunks cost
-    ~5% time against 1 GiB, 384 MiB ~2%. Rows are a multiple of 128 where the total allows.
+    Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 384 MiB capped so
+    that the caller's ``reserved_bytes`` (the dW/dX buffers held at the same time) plus the chunk
+    stay under ``TARGET_PEAK_BYTES`` (never below 64 MiB); else (CPU) 256 MiB. Measured on the
+    H200 at llama3 (benchmarks/NOTES.md): 256 MiB chunks cost ~5% time against 1 GiB, 384 MiB ~2%.
+    Rows are a multiple of 128 where the total allows.
+
+    The result depends only on its arguments (no free-memory query): under tensor parallelism the
+    fused strategy issues one collective per token chunk, so every rank must plan the same chunks.
     """
     if _OVR.chunk_bytes is not None:
         budget = _OVR.chunk_bytes
     elif os.environ.get("FLCE_CHUNK_MB"):
         budget = int(os.environ["FLCE_CHUNK_MB"]) << 20
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = min(max(free // 16, 64 << 20), 384 << 20)
-        budget = max(64 << 20, min(budget, TARGET_PEAK_BYTES - reserved_bytes))
+        budget = max(64 << 20, min(384 << 20, TARGET_PEAK_BYTES - reserved_bytes))
     else:
         budget = 256 << 20
     rows = max(1, budget // max(1, row_elems * elem_size))

@@ -58,7 +58,7 @@ class Checker:
             self.failures.append(name)
 
 
-def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignore="some", seed=0, tol=None):
+def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignore="some", seed=0, tol=None, **opts):
     p, r = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g, dtype=torch.float64)
@@ -71,15 +71,16 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
         t[:] = -100
     go = torch.randn(n, generator=g, dtype=torch.float64)
     s, e = vocab_shard(v, r, p)
-    name = f"P={p} {dtype} {strategy} {reduction} bias={bias} sp={sp} ignore={ignore} n={n} v={v}"
+    name = f"P={p} {dtype} {strategy} {reduction} bias={bias} sp={sp} ignore={ignore} n={n} v={v} {opts or ''}"
     rows = slice(r * (n // p), (r + 1) * (n // p)) if sp else slice(0, n)
 
     xs = x[rows].to(dev, dtype).clone().requires_grad_()
     ws = w[s:e].to(dev, dtype).clone().requires_grad_()
     bs = b[s:e].to(dev, dtype).clone().requires_grad_() if bias else None
     ts = t[rows].to(dev)
-    loss = flce_dist.fused_linear_cross_entropy(xs, ws, ts, bias=bs, group=group, reduction=reduction,
-                                                strategy=strategy, sequence_parallel=sp)
+    loss, lse, correct = flce_dist.fused_linear_cross_entropy(
+        xs, ws, ts, bias=bs, group=group, reduction=reduction, strategy=strategy, sequence_parallel=sp,
+        return_lse=True, return_token_accuracy=True, **opts)
     gos = go[rows].to(dev, loss.dtype) if reduction == "none" else torch.ones((), device=dev, dtype=loss.dtype)
     loss.backward(gos)
 
@@ -87,7 +88,7 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
     xr = x.to(dtype).double().clone().requires_grad_()
     wr = w.to(dtype).double().clone().requires_grad_()
     br = b.to(dtype).double().clone().requires_grad_() if bias else None
-    ref = reference_loss(xr, wr, t, bias=br, reduction=reduction)
+    ref, ref_lse = reference_loss(xr, wr, t, bias=br, reduction=reduction, return_lse=True, **opts)
     ref.backward(go if reduction == "none" else torch.ones((), dtype=torch.float64))
     lt, gt = tol or ((1e-5, 1e-4) if dtype != torch.bfloat16 else (1e-2, 1e-2))
     if ignore == "all":
@@ -95,6 +96,12 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
         ck.true(f"{name}: all-ignored grads are 0", float(xs.grad.abs().sum()) == 0.0 and float(ws.grad.abs().sum()) == 0.0)
         return
     ck.close(f"{name}: loss", loss, ref[rows] if reduction == "none" else ref, lt)
+    ck.close(f"{name}: lse (global, this rank's rows)", lse, ref_lse[rows], lt)
+    with torch.no_grad():
+        from flce_dist.reference import reference_logits
+        zr = reference_logits(xr, wr, br, softcap=opts.get("softcap"), temperature=opts.get("temperature", 1.0))
+        want = ((zr.argmax(1) == t) & (t != -100))[rows]
+    ck.true(f"{name}: token accuracy == argmax over all shards", torch.equal(correct.cpu(), want))
     ck.close(f"{name}: dW shard", ws.grad, wr.grad[s:e], gt)
     ck.close(f"{name}: dX", xs.grad, xr.grad[rows], gt)
     if bias:
@@ -105,7 +112,7 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
         x1 = x.to(dev, dtype).clone().requires_grad_()
         w1 = w.to(dev, dtype).clone().requires_grad_()
         l1 = flce_dist.fused_linear_cross_entropy(x1, w1, t.to(dev), bias=None if b is None else b.to(dev, dtype),
-                                                  reduction=reduction, strategy=strategy)
+                                                  reduction=reduction, strategy=strategy, **opts)
         l1.backward(go.to(dev, l1.dtype) if reduction == "none" else None)
         ck.close(f"{name}: TP loss == TP1 loss", loss, l1, lt)
         ck.close(f"{name}: TP dW == TP1 dW slice", ws.grad, w1.grad[s:e], gt)
@@ -190,6 +197,17 @@ def main():
                          sp=False, ignore="all")
                     case(ck, dev, group, n=3 * p, h=16, v=odd_v, dtype=dtype, strategy=strategy, reduction="sum", bias=True,
                          sp=True, ignore="all")
+            # loss features, exact under TP (uneven V), both strategies
+            feats = [dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=4.0), dict(temperature=0.7),
+                     dict(num_items_in_batch=50), dict(label_smoothing=0.05, z_loss=1e-4, softcap=6.0, temperature=1.3)]
+            if args.quick:  # large world sizes on 2 CPU cores: the combined options only
+                feats = feats[-1:]
+            for strategy in ("fused", "recompute"):
+                for f in feats:
+                    case(ck, dev, group, n=9 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="mean",
+                         bias=True, sp=False, **f)
+                case(ck, dev, group, n=4 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="none",
+                     bias=False, sp=True, label_smoothing=0.1, softcap=5.0)
             if args.backend == "nccl":
                 for dtype in dtypes:
                     case(ck, dev, group, n=3 * 423, h=1000, v=10000, dtype=dtype, strategy="auto", reduction="mean", bias=False, sp=False)

@@ -1,7 +1,7 @@
 """The collectives of the vocab-parallel loss. Every function is a no-op at group size 1.
 
 Per training step (group of P ranks, N tokens, H hidden, k = 3 stats):
-  forward   one all-gather of the per-rank stats, ``[P, N, 3]`` float32 = 12*P*N bytes
+  forward   one all-gather of the per-rank stats, ``[P, N, 4]`` float32 = 16*P*N bytes
             (the fused strategy issues it per token chunk: same bytes, N/Nc calls)
   backward  one all-reduce of dX, ``N*H`` elements of hidden's dtype (async, overlapped with dW)
   SP        plus an all-gather of hidden (``N*H``) and targets, and a reduce-scatter of dX instead
@@ -22,16 +22,17 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Merge per-rank ``[N, 3]`` stats ``(lse_r, target_logit_r, sum_logits_r)`` into the global
-    ``(lse, target_logit, sum_logits)`` with ONE all-gather and a local logsumexp.
+    """Merge per-rank ``[N, 4]`` stats ``(lse_r, target_logit_r, sum_logits_r, max_logit_r)`` into
+    the global ``(lse, target_logit, sum_logits, max_logit)`` with ONE all-gather (16·P·N bytes)
+    and a local logsumexp / sum / max.
 
-    Ranks with an empty shard contribute ``lse_r = -inf``; logsumexp ignores them."""
+    Ranks with an empty shard contribute ``lse_r = max_r = -inf``; logsumexp and max ignore them."""
     p = group_size(group)
     if p == 1:
         return stats
     out = all_gather_rows(stats, group).view(p, *stats.shape)
     lse = torch.logsumexp(out[..., 0], dim=0)
-    return torch.stack([lse, out[..., 1].sum(0), out[..., 2].sum(0)], dim=1)
+    return torch.stack([lse, out[..., 1].sum(0), out[..., 2].sum(0), out[..., 3].amax(0)], dim=1)
 
 
 def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:

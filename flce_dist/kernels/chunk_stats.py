@@ -10,7 +10,8 @@ Algorithm, for a chunk ``z [Nc, V]`` of raw logits (cuBLAS ``x_chunk @ W.T (+ b)
             t += y[target] if the target is in this tile;  sy += sum_v y
         lse[n] = m + log(s)
 
-Returns ``lse [Nc]``, ``tgt [Nc]`` and ``sumy [Nc]`` (zeros without ``with_sum``) in float32
+Returns ``lse [Nc]``, ``tgt [Nc]``, ``sumy [Nc]`` (zeros without ``with_sum``) and the row max
+``ymax [Nc]`` (for token accuracy across shards) in float32
 (float64 for float64 chunks, so that float64 gradchecks run through the same kernels).
 Out-of-bounds vocab columns are -inf for the max and 0 for the sums; out-of-bounds rows are not
 stored.
@@ -32,12 +33,13 @@ def chunk_stats(
     with_sum: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, v = z.size()
     ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
     lse = torch.empty([n], dtype=ct, device=z.device)
     tgt = torch.empty([n], dtype=ct, device=z.device)
     sumy = torch.empty([n], dtype=ct, device=z.device)
+    ymax = torch.empty([n], dtype=ct, device=z.device)
     for tile_n in hl.tile(n, block_size=block_n):
         m_i = hl.full([tile_n], float("-inf"), dtype=ct)
         s_i = hl.zeros([tile_n], dtype=ct)
@@ -60,4 +62,5 @@ def chunk_stats(
         lse[tile_n] = m_i + torch.log(s_i)
         tgt[tile_n] = t_i
         sumy[tile_n] = sy_i
-    return lse, tgt, sumy
+        ymax[tile_n] = m_i
+    return lse, tgt, sumy, ymax

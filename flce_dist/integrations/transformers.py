@@ -1,0 +1,372 @@
+"""Hugging Face ``transformers`` integration: ``apply(model, group=None, **loss_options)``.
+
+After ``apply``, a ``*ForCausalLM`` called with ``labels`` runs its base model (``model.model``)
+for the hidden states and computes the causal-LM loss with :func:`flce_dist.fused_linear_cross_entropy`
+on the lm_head weight; the ``[B, T, V]`` logits are never formed and the returned
+``CausalLMOutputWithPast`` has ``logits=None``. Without ``labels`` the model's own forward runs
+(generation, evaluation with logits). Nothing of the model's forward is copied: the base model and
+the lm_head module are called as they are, so the hooks of ZeRO-3, accelerate, etc. still fire.
+
+The loss is the one ``transformers`` computes (``ForCausalLMLoss``):
+
+- labels are shifted by one (``labels[..., 1:]``, the last position ignored), or ``shift_labels``
+  is used as given;
+- ``ignore_index`` (default -100; a per-call ``ignore_index`` kwarg wins);
+- mean over the non-ignored targets, or ``sum / num_items_in_batch`` when the Trainer passes
+  ``num_items_in_batch`` (gradient accumulation);
+- the model's logit transform: Gemma2/Gemma3 ``final_logit_softcapping`` -> ``softcap``,
+  Granite ``logits / logits_scaling`` and Cohere ``logits * logit_scale`` -> ``temperature``.
+
+lm_head weight and tensor parallelism (resolved at every call, so it follows module replacement):
+
+- a plain ``nn.Linear`` lm_head: its weight is the full ``[V, H]`` matrix (tied embeddings included:
+  the shared Parameter is used, so its gradient is the sum of both uses);
+- ``apply(model, group=tp_group)``: the lm_head becomes a vocab shard of the group
+  (``flce_dist.vocab_shard`` rows, the first ``V % P`` ranks own one more). An untied
+  ``lm_head.weight`` (and bias) is replaced by a Parameter holding only this rank's rows (its
+  state_dict entry becomes the shard). A tied weight stays the full, shared embedding Parameter; the
+  loss reads its shard rows through a view whose backward all-gathers the shard gradients, so every
+  rank's shared weight receives the same full gradient (embedding part + head part) and the replicas
+  stay identical. Without labels, a sharded head's logits are all-gathered to the full vocabulary.
+- a DeepSpeed AutoTP head (``deepspeed.module_inject.layers.VocabParallelLinear`` or a
+  column-parallel ``LinearLayer``): its shard, ``mp_group`` and vocab start are used as they are
+  (see :mod:`flce_dist.integrations.deepspeed`);
+- a :class:`flce_dist.VocabParallelLMHead`: its shard and group.
+
+``loss_options``: ``ignore_index``, ``label_smoothing``, ``z_loss``, ``softcap`` (overrides the
+model's), ``temperature`` (multiplies the model's), ``strategy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import fused_linear_cross_entropy
+from ..distributed import group_rank, group_size, vocab_shard
+from ..distributed.collectives import all_gather_rows
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "apply", "is_applied", "unapply"]
+
+# config.model_type -> the transform the model's forward applies to ``lm_head(hidden)`` before the loss
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "llama": "none",
+    "mistral": "none",
+    "qwen2": "none",
+    "qwen3": "none",
+    "gemma": "none",
+    "phi3": "none",
+    "qwen3_moe": "none",  # only without output_router_logits (the aux loss is not reproduced)
+    "mixtral": "none",  # idem
+    "gemma2": "softcap",  # logits = c * tanh(logits / c), c = config.final_logit_softcapping
+    "gemma3_text": "softcap",
+    "granite": "divide",  # logits = logits / config.logits_scaling
+    "cohere": "multiply",  # logits = logits * model.logit_scale
+}
+_MOE_TYPES = {"qwen3_moe", "mixtral"}
+_LOSS_OPTIONS = ("ignore_index", "label_smoothing", "z_loss", "softcap", "temperature", "strategy")
+# per-call kwargs of transformers' loss_function that the base model must not receive
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+@dataclasses.dataclass
+class _State:
+    options: dict[str, Any]
+    transform: str
+    moe: bool
+    previous_forward: Any  # an instance-level forward that apply() wrapped, or None
+
+
+@dataclasses.dataclass
+class _HeadTP:
+    group: dist.ProcessGroup
+    start: int
+    end: int
+    vocab: int
+    tied: bool
+
+
+# --------------------------------------------------------------------------------------------
+# collectives with autograd
+
+
+def _vocab_sizes(vocab: int, group: dist.ProcessGroup) -> list[int]:
+    p = group_size(group)
+    return [e - s for s, e in (vocab_shard(vocab, r, p) for r in range(p))]
+
+
+def _gather_rows_uneven(t: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather ``t [sizes[rank], ...]`` from every rank into ``[sum(sizes), ...]`` (rank order)."""
+    width = max(sizes)
+    if t.shape[0] < width:
+        t = torch.cat([t, t.new_zeros((width - t.shape[0], *t.shape[1:]))])
+    out = all_gather_rows(t.contiguous(), group).view(len(sizes), width, *t.shape[1:])
+    return torch.cat([out[r, :n] for r, n in enumerate(sizes)])
+
+
+class _TiedShardRows(torch.autograd.Function):
+    """``weight[start:end]`` of a weight replicated on every rank of ``group``; the backward
+    all-gathers the shard gradients so every rank's replica gets the full ``[V, ...]`` gradient."""
+
+    @staticmethod
+    def forward(ctx, weight, start, end, group):
+        ctx.group, ctx.vocab = group, weight.shape[0]
+        return weight[start:end].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows_uneven(grad, _vocab_sizes(ctx.vocab, ctx.group), ctx.group), None, None, None
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Logits shard ``[..., V_local]`` -> full ``[..., V]``; backward keeps this rank's columns
+    (everything downstream is replicated across the group)."""
+
+    @staticmethod
+    def forward(ctx, logits, tp):
+        ctx.tp = tp
+        rows = logits.movedim(-1, 0)
+        full = _gather_rows_uneven(rows, _vocab_sizes(tp.vocab, tp.group), tp.group)
+        return full.movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.tp.start:ctx.tp.end].contiguous(), None
+
+
+# --------------------------------------------------------------------------------------------
+# the lm_head
+
+
+def _head_shard(head: nn.Module):
+    """``(weight, bias, group, vocab_start)`` of the lm_head as the fused loss must see it."""
+    bias = getattr(head, "bias", None)
+    tp = head.__dict__.get("_flce_tp")
+    if tp is not None:
+        if tp.tied:
+            weight = _TiedShardRows.apply(head.weight, tp.start, tp.end, tp.group)
+            if bias is not None:
+                bias = _TiedShardRows.apply(bias, tp.start, tp.end, tp.group)
+            return weight, bias, tp.group, tp.start
+        return head.weight, bias, tp.group, tp.start
+    if hasattr(head, "mp_group") and hasattr(head, "_partition_sizes") and hasattr(head, "tp_index"):
+        # DeepSpeed AutoTP: VocabParallelLinear (module_inject/layers.py) or a column-parallel LinearLayer
+        sizes = [int(s) for s in head._partition_sizes]
+        group = head.mp_group
+        if group is None or group_size(group) == 1:
+            return head.weight, bias, None, None
+        start = getattr(head, "vocab_start_index", None)
+        if start is None:
+            start = sum(sizes[: head.tp_index])
+        return head.weight, bias, group, int(start)
+    shard = getattr(head, "shard", None)
+    if shard is not None and hasattr(head, "group"):  # flce_dist.VocabParallelLMHead
+        return head.weight, bias, head.group, shard[0]
+    return head.weight, bias, None, None
+
+
+def _head_loss(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
+    weight, bias, group, start = _head_shard(head)
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        hidden, weight = hidden.to(dt), weight.to(dt)
+        bias = None if bias is None else bias.to(dt)
+    elif hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    return fused_linear_cross_entropy(hidden, weight, target, bias=bias, group=group, vocab_start=start, **options)
+
+
+def _patched_head_forward(self, input, *args, flce_target=None, flce_options=None, **kwargs):
+    """lm_head forward: ``head(hidden, flce_target=t, flce_options={...})`` returns the fused loss
+    (called through the module so that ZeRO-3 gathers the weight); otherwise the head's own forward."""
+    if flce_target is not None:
+        return _head_loss(self, input, flce_target, flce_options or {})
+    previous = self.__dict__.get("_flce_previous_forward")
+    out = previous(input, *args, **kwargs) if previous is not None else type(self).forward(self, input, *args, **kwargs)
+    tp = self.__dict__.get("_flce_tp")
+    if tp is not None and not tp.tied:
+        out = _GatherVocab.apply(out, tp)
+    return out
+
+
+def _install_head_forward(head: nn.Module) -> None:
+    current = head.__dict__.get("forward")
+    if getattr(current, "__func__", None) is _patched_head_forward:
+        return
+    head.__dict__["_flce_previous_forward"] = current
+    head.forward = types.MethodType(_patched_head_forward, head)
+
+
+# --------------------------------------------------------------------------------------------
+# the model
+
+
+def _transform_options(model: nn.Module, transform: str, options: dict[str, Any]) -> dict[str, Any]:
+    cfg = model.config
+    opts = dict(options)
+    if transform == "softcap" and "softcap" not in options:
+        opts["softcap"] = getattr(cfg, "final_logit_softcapping", None)
+    temperature = float(options.get("temperature", 1.0))
+    if transform == "divide":
+        temperature *= float(cfg.logits_scaling)
+    elif transform == "multiply":
+        temperature /= float(getattr(model, "logit_scale", cfg.logit_scale))
+    opts["temperature"] = temperature
+    return opts
+
+
+def _output_class():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast
+
+
+def _fused_forward(self, *args, **kwargs):
+    state: _State = self.__dict__["_flce_state"]
+    original = state.previous_forward if state.previous_forward is not None else types.MethodType(type(self).forward, self)
+    sig = inspect.signature(original)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError:
+        return original(*args, **kwargs)  # let the model's own forward report the bad call
+    call = dict(bound.arguments)
+    var_kw = next((n for n, p in sig.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+    extra = dict(call.pop(var_kw, {})) if var_kw else {}
+    labels = call.get("labels")
+    if labels is None:
+        return original(*args, **kwargs)
+
+    call.pop("labels")
+    logits_to_keep = call.pop("logits_to_keep", 0)
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError("flce_dist: logits_to_keep must be 0 when labels are given (the loss covers every position)")
+    return_dict = extra.pop("return_dict", None)
+    num_items = extra.pop("num_items_in_batch", None)
+    ignore_index = extra.pop("ignore_index", state.options.get("ignore_index", -100))
+    shift_labels = extra.pop("shift_labels", None)
+    if state.moe and (call.get("output_router_logits") or extra.get("output_router_logits")
+                      or getattr(self.config, "output_router_logits", False)):
+        raise NotImplementedError("flce_dist.integrations.transformers does not add the MoE router aux loss; "
+                                  "set output_router_logits=False or use the unpatched model")
+
+    base = getattr(self, self.base_model_prefix)
+    base_sig = inspect.signature(base.forward)
+    base_var_kw = any(p.kind is p.VAR_KEYWORD for p in base_sig.parameters.values())
+    base_kwargs = {}
+    for name, value in {**call, **extra}.items():
+        if name in base_sig.parameters or base_var_kw:
+            base_kwargs[name] = value
+        elif value is not None:
+            raise TypeError(f"flce_dist: {type(base).__name__}.forward does not take {name!r}")
+    outputs = base(**base_kwargs)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+
+    if shift_labels is None:
+        target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    else:
+        target = shift_labels
+    target = target.to(device=hidden.device)
+    options = _transform_options(self, state.transform, state.options)
+    options["ignore_index"] = ignore_index
+    if num_items is not None:
+        options["num_items_in_batch"] = num_items.to(hidden.device) if torch.is_tensor(num_items) else num_items
+
+    head = self.get_output_embeddings()
+    _install_head_forward(head)
+    loss = head(hidden, flce_target=target.contiguous(), flce_options=options)
+
+    cls = _output_class()
+    fields = {f.name for f in dataclasses.fields(cls)}
+    out = {"loss": loss, "logits": None}
+    for name in ("past_key_values", "cache", "hidden_states", "attentions"):
+        if name in fields:
+            out[name] = getattr(outputs, name, None)
+    result = cls(**out)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    return result if return_dict else result.to_tuple()
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    unknown = set(options) - set(_LOSS_OPTIONS)
+    if unknown:
+        raise TypeError(f"flce_dist.integrations.transformers.apply: unknown loss option(s) {sorted(unknown)}; "
+                        f"allowed: {list(_LOSS_OPTIONS)}")
+
+
+def is_applied(model: nn.Module) -> bool:
+    return "_flce_state" in model.__dict__
+
+
+def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_options: Any) -> nn.Module:
+    """Make ``model`` (a supported ``*ForCausalLM``, see ``SUPPORTED_MODEL_TYPES``) compute its
+    ``labels`` loss with the fused loss. ``group``: tensor-parallel group whose ranks each keep a
+    vocab shard of the lm_head (see the module docstring). Returns the same ``model`` (patched in place).
+    Calling it again updates the loss options (``group`` only on the first call)."""
+    _check_options(loss_options)
+    if not isinstance(model, nn.Module) or not hasattr(model, "get_output_embeddings") or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers PreTrainedModel (*ForCausalLM), got {type(model).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
+                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
+        raise ValueError(f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}")
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None or head.weight.dim() != 2:
+        raise ValueError(f"{type(model).__name__}.get_output_embeddings() must be a module with a 2-D weight")
+    if "softcap" in loss_options and loss_options["softcap"] is not None and not float(loss_options["softcap"]) > 0:
+        raise ValueError(f"softcap must be None or > 0, got {loss_options['softcap']}")
+
+    if is_applied(model):
+        if group is not None:
+            raise ValueError("flce_dist: apply() was already called on this model; pass group only on the first call")
+        model.__dict__["_flce_state"].options = dict(loss_options)
+        return model
+
+    if group_size(group) > 1:
+        if head.__dict__.get("_flce_tp") is not None or hasattr(head, "mp_group") or hasattr(head, "shard"):
+            raise ValueError("the lm_head is already vocab-sharded; call apply(model) without group")
+        vocab = head.weight.shape[0]
+        start, end = vocab_shard(vocab, group_rank(group), group_size(group))
+        if end <= start:
+            raise ValueError(f"vocabulary of {vocab} rows is smaller than the group size {group_size(group)}")
+        emb = model.get_input_embeddings()
+        tied = emb is not None and getattr(emb, "weight", None) is head.weight
+        if not tied:
+            with torch.no_grad():
+                head.weight = nn.Parameter(head.weight.detach()[start:end].clone(), requires_grad=head.weight.requires_grad)
+                if getattr(head, "bias", None) is not None:
+                    head.bias = nn.Parameter(head.bias.detach()[start:end].clone(), requires_grad=head.bias.requires_grad)
+            if hasattr(head, "out_features"):
+                head.out_features = end - start
+        head.__dict__["_flce_tp"] = _HeadTP(group=group, start=start, end=end, vocab=vocab, tied=tied)
+
+    model.__dict__["_flce_state"] = _State(
+        options=dict(loss_options), transform=SUPPORTED_MODEL_TYPES[model_type], moe=model_type in _MOE_TYPES,
+        previous_forward=model.__dict__.get("forward"),
+    )
+    model.forward = types.MethodType(_fused_forward, model)
+    _install_head_forward(head)
+    return model
+
+
+def unapply(model: nn.Module) -> nn.Module:
+    """Restore the model's own forward (a vocab-sharded lm_head stays sharded)."""
+    state = model.__dict__.pop("_flce_state", None)
+    if state is None:
+        return model
+    if state.previous_forward is not None:
+        model.forward = state.previous_forward
+    else:
+        model.__dict__.pop("forward", None)
+    return model

@@ -1,0 +1,69 @@
+"""Loss features beyond plain CE (issue: token accuracy, torch.compile); the option math itself
+(label smoothing, z-loss, softcap, temperature, num_items_in_batch, return_lse) is covered in
+test_single_rank.py and, across ranks, in dist_checks.py."""
+
+import pytest
+import torch
+
+import flce_dist
+from flce_dist import reference_loss
+from flce_dist.reference import reference_logits
+
+from .conftest import rel
+
+
+def _inputs(seed, n=37, h=70, v=101, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    return x, w, t
+
+
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_token_accuracy_matches_argmax(small_tiles, strategy, softcap):
+    x, w, t = _inputs(11)
+    z = reference_logits(x.double(), w.double(), softcap=softcap)
+    # make about half of the targets the argmax so both outcomes occur
+    t[::2] = z.argmax(1)[::2]
+    t[3] = -100
+    x.requires_grad_()
+    loss, lse, correct = flce_dist.fused_linear_cross_entropy(
+        x, w, t, softcap=softcap, return_lse=True, return_token_accuracy=True, strategy=strategy)
+    want = (z.argmax(1) == t) & (t != -100)
+    assert correct.dtype == torch.bool and correct.shape == t.shape
+    assert torch.equal(correct, want)
+    assert 0 < int(correct.sum()) < t.numel()
+    assert rel(lse, torch.logsumexp(z, 1)) < 1e-6
+    loss.backward()  # extra outputs do not disturb the gradient
+    assert torch.isfinite(x.grad).all()
+
+
+def test_token_accuracy_leading_dims_and_order(small_tiles):
+    x, w, t = _inputs(12, n=12)
+    loss, correct = flce_dist.fused_linear_cross_entropy(x.view(3, 4, -1), w, t.view(3, 4), return_token_accuracy=True)
+    assert correct.shape == (3, 4) and loss.dim() == 0
+
+
+def test_torch_compile_model_calling_the_loss(small_tiles):
+    """A compiled model that calls the loss runs and matches eager (the op is a documented graph
+    break: torch.compiler.disable around the kernel launch)."""
+    x, w, t = _inputs(13)
+    lin = torch.nn.Linear(70, 70)
+
+    def step(inp, weight, target):
+        h = torch.nn.functional.gelu(lin(inp))
+        return flce_dist.fused_linear_cross_entropy(h, weight, target)
+
+    compiled = torch.compile(step, backend="aot_eager")
+    wc = w.clone().requires_grad_()
+    lc = compiled(x, wc, t)
+    lc.backward()
+    we = w.clone().requires_grad_()
+    le = step(x, we, t)
+    le.backward()
+    assert rel(lc, le) < 1e-6
+    assert rel(wc.grad, we.grad) < 1e-5
+    ref = reference_loss(torch.nn.functional.gelu(lin(x)).double(), w.double(), t)
+    assert rel(lc, ref) < 1e-5

@@ -1,0 +1,320 @@
+"""Integrations: Hugging Face transformers (``flce_dist.integrations.transformers``) and DeepSpeed
+AutoTP (``flce_dist.integrations.deepspeed``), on the CPU (Helion reference mode, gloo).
+
+The multi-rank checks run this same file under torchrun (``python tests/test_integrations.py hf|ds``):
+
+    torchrun --nproc_per_node=2 tests/test_integrations.py hf   # apply(model, group) at TP=2 == TP=1
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/test_integrations.py ds 1 2 3
+                                                             # DeepSpeed AutoTP=2: flce_dist == "torch" backend
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SMALL_BLOCKS = {  # several tiles in every dimension (V = 97, H = 32, N = 2 * 9)
+    "lse_forward": {"block_n": 8, "block_v": 32, "block_h": 16},
+    "chunk_stats": {"block_n": 8, "block_v": 32},
+    "chunk_grad": {"block_n": 8, "block_v": 32},
+}
+VOCAB = 97
+BODY_PARAM = "model.layers.0.mlp.down_proj.weight"
+
+
+def tiny_model(model_type: str, tied: bool, seed: int = 0, layers: int = 1):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    if model_type == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif model_type == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif model_type == "gemma2":
+        # a small cap so that softcapping changes the loss noticeably
+        cfg, cls = tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=2.0), tf.Gemma2ForCausalLM
+    else:
+        raise ValueError(model_type)
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    # random (not zero/one) norms and a larger lm_head so the logits spread out
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+        model.get_output_embeddings().weight.mul_(20.0)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    return model
+
+
+def batch(seed: int = 1, b: int = 2, t: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt that is not trained on
+    return ids, labels
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def grads(model):
+    return {
+        "head": model.get_output_embeddings().weight.grad.clone(),
+        "embed": model.get_input_embeddings().weight.grad.clone(),
+        "body": dict(model.named_parameters())[BODY_PARAM].grad.clone(),
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: list[str], world: int = 2, extra_env: dict | None = None, timeout: int = 900):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(Path(__file__).resolve()), *args]
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = "\n".join(line for line in (res.stdout + res.stderr).splitlines() if "registered at" not in line)
+    return res.returncode, out, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# single process: apply(model) == the unpatched model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("num_items", [None, 11], ids=["mean", "num_items"])
+def test_transformers_apply_matches_unpatched(model_type, tied, num_items):
+    pytest.importorskip("transformers")
+    from flce_dist import runtime
+    from flce_dist.integrations.transformers import apply
+
+    ref = tiny_model(model_type, tied)
+    fused = apply(copy.deepcopy(ref))
+    ids, labels = batch()
+    kw = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    out_ref = ref(input_ids=ids, labels=labels, **kw)
+    with runtime.override(blocks=SMALL_BLOCKS):
+        out = fused(input_ids=ids, labels=labels, **kw)
+    assert out.logits is None
+    assert rel(out.loss, out_ref.loss) <= 1e-5, (out.loss.item(), out_ref.loss.item())
+    out_ref.loss.backward()
+    with runtime.override(blocks=SMALL_BLOCKS):
+        out.loss.backward()
+    g_ref, g = grads(ref), grads(fused)
+    for k in g_ref:
+        assert rel(g[k], g_ref[k]) <= 1e-5, (k, rel(g[k], g_ref[k]))
+    # without labels the model's own forward runs (full logits)
+    with torch.no_grad():
+        assert torch.equal(fused(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_transformers_apply_options_and_kwargs():
+    pytest.importorskip("transformers")
+    from flce_dist.integrations.transformers import apply, unapply
+
+    ref = tiny_model("gemma2", tied=True)
+    fused = apply(copy.deepcopy(ref))
+    ids, labels = batch()
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    shift[1, 2] = 7  # differs from the shifted labels: shift_labels must win
+    # shift_labels, a custom ignore_index and return_dict=False, as transformers passes them
+    lab = labels.masked_fill(labels == -100, -1)
+    shift_c = shift.masked_fill(shift == -100, -1)
+    loss_ref = ref(input_ids=ids, labels=lab, shift_labels=shift_c, ignore_index=-1).loss
+    loss = fused(input_ids=ids, labels=lab, shift_labels=shift_c, ignore_index=-1, return_dict=False)[0]
+    assert rel(loss, loss_ref) <= 1e-5
+    # the model's softcap is applied: without it the loss differs; options reach the loss
+    assert rel(apply(fused, softcap=None)(input_ids=ids, labels=labels).loss, loss_ref) > 1e-3
+    apply(fused, label_smoothing=0.1)
+    assert abs(fused(input_ids=ids, labels=labels).loss.item() - ref(input_ids=ids, labels=labels).loss.item()) > 1e-3
+    unapply(fused)
+    assert fused(input_ids=ids, labels=labels).logits is not None
+    with pytest.raises(TypeError, match="unknown loss option"):
+        apply(ref, reduction="sum")
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        apply(copy.deepcopy(ref))(input_ids=ids, labels=labels, logits_to_keep=1)
+
+
+def test_transformers_classes_exist():
+    tf = pytest.importorskip("transformers")
+    from flce_dist.integrations.transformers import SUPPORTED_MODEL_TYPES
+
+    for name in ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                 "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"]:
+        cls = getattr(tf, name)
+        assert cls.config_class.model_type in SUPPORTED_MODEL_TYPES, name
+
+
+# ---------------------------------------------------------------------------------------------
+# multi-rank: TP=2 == TP=1, DeepSpeed AutoTP flce_dist == DeepSpeed "torch"
+
+
+@pytest.mark.dist
+def test_transformers_tp2_matches_tp1():
+    pytest.importorskip("transformers")
+    rc, out, secs = _torchrun(["hf"])
+    assert rc == 0, out[-6000:]
+    summary = re.findall(r"\[rank (\d+)\] hf (\d+) checks ok", out)
+    assert sorted(int(r) for r, _ in summary) == [0, 1], out[-3000:]
+
+
+@pytest.mark.dist
+def test_deepspeed_autotp_flce_matches_torch_backend():
+    pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    rc, out, secs = _torchrun(["ds", "1", "2", "3"], extra_env={"DS_ACCELERATOR": "cpu"})
+    print(f"deepspeed torchrun: {secs:.1f} s")
+    assert rc == 0, out[-8000:]
+    for stage in (1, 2, 3):
+        ranks = re.findall(rf"\[rank (\d+)\] ds stage {stage} ok", out)
+        assert sorted(int(r) for r in ranks) == [0, 1], out[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun workers
+
+
+def _check(cond, msg, failures):
+    if not cond:
+        failures.append(msg)
+
+
+def _worker_hf(rank: int, world: int, group) -> int:
+    from flce_dist import runtime, vocab_shard
+    from flce_dist.integrations.transformers import apply
+
+    failures, count = [], 0
+    ids, labels = batch()
+    for model_type, tied in [("llama", False), ("llama", True), ("gemma2", False), ("qwen2", True)]:
+        ref = tiny_model(model_type, tied)
+        tp = apply(copy.deepcopy(ref), group=group)
+        s, e = vocab_shard(VOCAB, rank, world)
+        kw = {"num_items_in_batch": torch.tensor(9)} if tied else {}
+        loss_ref = ref(input_ids=ids, labels=labels, **kw).loss
+        with runtime.override(blocks=SMALL_BLOCKS):
+            loss = tp(input_ids=ids, labels=labels, **kw).loss
+        loss_ref.backward()
+        with runtime.override(blocks=SMALL_BLOCKS):
+            loss.backward()
+        g_ref, g = grads(ref), grads(tp)
+        tag = f"{model_type} tied={tied}"
+        count += 4
+        _check(rel(loss, loss_ref) <= 1e-5, f"{tag} loss {loss.item()} vs {loss_ref.item()}", failures)
+        head_ref = g_ref["head"] if tied else g_ref["head"][s:e]
+        _check(tuple(tp.get_output_embeddings().weight.shape) == ((VOCAB, 32) if tied else (e - s, 32)),
+               f"{tag} head shape", failures)
+        _check(rel(g["head"], head_ref) <= 1e-5, f"{tag} head grad {rel(g['head'], head_ref):.2e}", failures)
+        _check(rel(g["embed"], g_ref["embed"]) <= 1e-5, f"{tag} embed grad", failures)
+        _check(rel(g["body"], g_ref["body"]) <= 1e-5, f"{tag} body grad {rel(g['body'], g_ref['body']):.2e}", failures)
+        with torch.no_grad():  # no labels: the sharded head's logits are gathered to the full vocabulary
+            count += 1
+            full, full_ref = tp(input_ids=ids).logits, ref(input_ids=ids).logits
+            _check(full.shape == full_ref.shape and rel(full, full_ref) <= 1e-6, f"{tag} logits", failures)
+    for f in failures:
+        print(f"[rank {rank}] FAIL {f}", flush=True)
+    if not failures:
+        print(f"[rank {rank}] hf {count} checks ok", flush=True)
+    return 1 if failures else 0
+
+
+def _ds_config(stage: int, flce: bool) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10 ** 6,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,  # plain torch SGD: no JIT-built DeepSpeed optimizer
+        "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True, "vocab_parallel_ce_backend": "torch"},
+    }
+    if flce:
+        cfg["flce_dist"] = {"enabled": True}
+    return cfg
+
+
+def _worker_ds(rank: int, world: int, stages: list[int]) -> int:
+    import deepspeed
+
+    from flce_dist import runtime
+    from flce_dist.integrations import deepspeed as fds
+
+    failures = []
+    ids, labels = batch()
+    for stage in stages:
+        t0 = time.perf_counter()
+        losses = {}
+        for flce in (False, True):
+            model = tiny_model("llama", tied=False)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            engine, *_ = fds.initialize(model=model, optimizer=opt, config=_ds_config(stage, flce))
+            head = engine.module.get_output_embeddings()
+            if type(head).__name__ != "VocabParallelLinear":
+                failures.append(f"stage {stage}: lm_head is {type(head).__name__}, not VocabParallelLinear")
+            run = []
+            for _ in range(3):  # three SGD steps: later losses check the gradients end to end
+                with runtime.override(blocks=SMALL_BLOCKS):
+                    out = engine(input_ids=ids, labels=labels)
+                    if flce and out.logits is not None:
+                        failures.append(f"stage {stage}: logits were materialised")
+                    engine.backward(out.loss)
+                engine.step()
+                run.append(out.loss.detach().clone())
+            losses[flce] = torch.stack(run)
+            engine.destroy()
+        err = rel(losses[True], losses[False])
+        if not err <= 1e-5:
+            failures.append(f"stage {stage}: flce {losses[True].tolist()} vs torch {losses[False].tolist()} ({err:.2e})")
+        else:
+            print(f"[rank {rank}] ds stage {stage} ok: losses {losses[True].tolist()} rel {err:.1e} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    for f in failures:
+        print(f"[rank {rank}] FAIL {f}", flush=True)
+    return 1 if failures else 0
+
+
+def _main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    mode = argv[0]
+    if mode == "hf":
+        dist.init_process_group("gloo")
+        try:
+            return _worker_hf(rank, world, dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+    if mode == "ds":
+        import deepspeed
+
+        from flce_dist.integrations.deepspeed import skip_cpu_shm_comm_build
+
+        skip_cpu_shm_comm_build()  # no ~60 s JIT build of DeepSpeed's CPU shared-memory op
+        deepspeed.init_distributed(dist_backend="gloo")
+        return _worker_ds(rank, world, [int(s) for s in argv[1:]])
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -40,6 +40,7 @@ def fused_linear_cross_entropy(
     return_lse: bool = False,
     return_token_accuracy: bool = False,
     strategy: str = "auto",
+    check_finite: bool = False,
 ):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
 
@@ -54,6 +55,9 @@ def fused_linear_cross_entropy(
     ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
     shards; a tie with the target counts as correct; ignored tokens are False), each shaped like
     target and not differentiable, in that order: ``loss[, lse][, correct]``.
+
+    ``check_finite=True`` raises ``FloatingPointError`` when the loss is NaN/inf (a host sync; off by
+    default). Without it, NaN/inf in hidden, weight or bias propagate to the loss, never masked.
 
     Collectives per call with a group of P ranks (N tokens, H hidden): forward one all-gather of
     ``[N, 4]`` float32 stats (the fused strategy: one per token chunk, same bytes); backward one
@@ -127,5 +131,9 @@ def fused_linear_cross_entropy(
     loss, lse, correct = FLCEFunction.apply(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
     if reduction == "none":
         loss = loss.reshape(target.shape)
+    if check_finite and not bool(torch.isfinite(loss.detach()).all()):
+        raise FloatingPointError(
+            "fused_linear_cross_entropy: the loss is not finite (NaN/inf in hidden, weight or bias, "
+            "or a target outside [0, V) on the GPU)")
     extras = ([lse.reshape(target.shape)] if return_lse else []) + ([correct.reshape(target.shape)] if return_token_accuracy else [])
     return (loss, *extras) if extras else loss

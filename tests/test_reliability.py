@@ -1,0 +1,100 @@
+"""Reliability: empty batches, extreme logits, NaN/inf propagation, check_finite, property tests."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flce_dist
+from flce_dist import reference_loss, runtime
+
+from .conftest import SMALL_BLOCKS, rel
+
+
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty_batch(strategy, reduction):
+    x = torch.randn(0, 16, requires_grad=True)
+    w = torch.randn(11, 16, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.int64)
+    loss = flce_dist.fused_linear_cross_entropy(x, w, t, reduction=reduction, strategy=strategy)
+    if reduction == "none":
+        assert loss.shape == (0,)
+        loss.sum().backward()
+    else:
+        assert loss.item() == 0.0
+        loss.backward()
+    assert x.grad.shape == (0, 16) and w.grad.shape == (11, 16)
+    assert w.grad.abs().sum().item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+def test_extreme_logits_stay_finite(small_tiles, dtype, strategy):
+    """Logits up to ~1e4 in 16-bit inputs: online max keeps exp() in range; matches float64."""
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 29, 40, 300
+    x = (torch.randn(n, h, generator=g) * 16).to(dtype)
+    w = (torch.randn(v, h, generator=g) * 16).to(dtype)  # |z| up to ~1e4
+    t = torch.randint(0, v, (n,), generator=g)
+    z = x.double() @ w.double().T
+    assert z.abs().max() > 5e3
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, strategy=strategy)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
+    ref = reference_loss(x.double(), w.double(), t)
+    assert rel(loss, ref) < 1e-2
+
+
+@pytest.mark.parametrize("where", ["hidden", "weight"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+def test_non_finite_inputs_propagate(small_tiles, where, bad, strategy):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(13, 24, generator=g)
+    w = torch.randn(50, 24, generator=g)
+    t = torch.randint(0, 50, (13,), generator=g)
+    (x if where == "hidden" else w)[3, 5] = bad
+    loss = flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy)
+    assert not torch.isfinite(loss), "a non-finite input must not give a finite loss"
+    with pytest.raises(FloatingPointError, match="not finite"):
+        flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy, check_finite=True)
+
+
+def test_check_finite_passes_finite_loss(small_tiles):
+    x, w = torch.randn(7, 16), torch.randn(9, 16)
+    t = torch.randint(0, 9, (7,))
+    assert torch.isfinite(flce_dist.fused_linear_cross_entropy(x, w, t, check_finite=True))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(1, 40), h=st.integers(1, 48), v=st.integers(1, 120),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    ignore_frac=st.sampled_from([0.0, 0.3, 1.0]),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    strategy=st.sampled_from(["fused", "recompute"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_matches_reference(n, h, v, dtype, ignore_frac, reduction, strategy, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) / max(1, h) ** 0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < ignore_frac] = -100
+    go = torch.randn(n, generator=g) if reduction == "none" else None
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with runtime.override(blocks=SMALL_BLOCKS, chunk_bytes=8 * max(v, n) * 4):
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, reduction=reduction, strategy=strategy)
+        loss.backward(go)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = reference_loss(xr, wr, t, reduction=reduction)
+    ref.backward(None if go is None else go.double())
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for a, b in ((loss, ref), (xs.grad, xr.grad), (ws.grad, wr.grad)):
+        assert torch.isfinite(a).all()
+        if b.abs().max() > 0:
+            assert rel(a, b) < tol
+        else:
+            assert a.abs().max() == 0

@@ -11,8 +11,6 @@ the bare ``x @ W.T`` matmul timed in the same run. Writes ``bench_<dtype>.csv`` 
 from __future__ import annotations
 
 import argparse
-import csv
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
+from flce_dist._timing import cuda_time_ms as time_ms, peak_gib, write_csv  # noqa: E402
 
 SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -51,34 +50,6 @@ def _impls():
     except Exception as e:  # noqa: BLE001
         print("cce unavailable:", e)
     return impls
-
-
-def time_ms(fn, reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
-def peak_gib(fn, *params) -> float:
-    """Peak memory above the inputs during one call of ``fn``, INCLUDING the gradients it returns
-    (the grads of ``params`` are cleared first, so they are not counted in the baseline)."""
-    for t in params:
-        t.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main() -> None:
@@ -128,13 +99,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         del x, w, t
         torch.cuda.empty_cache()
-    outs = [Path(__file__).resolve().parent / "results"] + ([Path(args.out)] if args.out else [])
-    for d in outs:
-        d.mkdir(parents=True, exist_ok=True)
-        with open(d / f"bench_{args.dtype}.csv", "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-            wr.writeheader()
-            wr.writerows(rows)
+    write_csv(rows, f"bench_{args.dtype}.csv", [args.out] if args.out else [])
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
     print(f"{'shape':8} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'fwd ms':>8} {'x1mm':>6} {'peak GiB':>9}")
     for r in rows:

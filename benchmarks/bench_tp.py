@@ -16,9 +16,7 @@ above the inputs. Writes ``bench_tp<P>.csv`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +26,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
+from flce_dist._timing import cuda_time_ms, write_csv  # noqa: E402
+from flce_dist._timing import peak_gib as _peak_gib  # noqa: E402
 
 SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
 
@@ -76,35 +76,16 @@ class _MegatronVocabParallelCE(torch.autograd.Function):
         return grad.to(torch.bfloat16), None, None, None
 
 
-def time_ms(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    t = torch.tensor([statistics.median(ts)], device="cuda")
+def time_ms(fn, reps):
+    """Per-rank median (barrier before each timed call), then the max over ranks."""
+    t = torch.tensor([cuda_time_ms(fn, reps, before=dist.barrier)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
 def peak_gib(fn, *params):
-    """Peak memory above the inputs during one call of ``fn``, INCLUDING the gradients it returns
-    (the grads of ``params`` are cleared first, so they are not counted in the baseline)."""
-    for t in params:
-        t.grad = None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    t = torch.tensor([(torch.cuda.max_memory_allocated() - base) / 2**30], device="cuda")
+    """Per-rank peak above the inputs, gradients included; the max over ranks."""
+    t = torch.tensor([_peak_gib(fn, *params)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
@@ -184,13 +165,7 @@ def main():
         del x, w, buf
         torch.cuda.empty_cache()
     if rank == 0:
-        outs = [Path(__file__).resolve().parent / "results"] + ([Path(args.out)] if args.out else [])
-        for d in outs:
-            d.mkdir(parents=True, exist_ok=True)
-            with open(d / f"bench_tp{p}.csv", "w", newline="") as f:
-                wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-                wr.writeheader()
-                wr.writerows(rows)
+        write_csv(rows, f"bench_tp{p}.csv", [args.out] if args.out else [])
         print(f"\nTP={p} {torch.cuda.get_device_name()} bf16 N={args.n}  (floor = 3 x shard matmul + dX all-reduce)")
         print(f"{'shape':8} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'peak GiB/rank':>14}")
         for r in rows:

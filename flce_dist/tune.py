@@ -14,13 +14,13 @@ import argparse
 import datetime
 import itertools
 import json
-import statistics
 from pathlib import Path
 
 import helion
 import torch
 
 from . import kernels as K
+from ._timing import cuda_time_ms
 from . import runtime as R
 
 LSE_CANDIDATES = [
@@ -39,18 +39,7 @@ GRAD_CANDIDATES = [
 
 
 def _time(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+    return cuda_time_ms(fn, reps, warmup)
 
 
 def _run(kernel, args, cand, order):

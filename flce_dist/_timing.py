@@ -1,0 +1,54 @@
+"""CUDA timing and memory helpers shared by benchmarks/ and ``python -m flce_dist.tune``."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, before: Callable[[], object] | None = None) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` after ``warmup`` calls (``before`` runs
+    ahead of each timed call, outside the events, e.g. a barrier)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def peak_gib(fn: Callable[[], object], *params: torch.Tensor) -> float:
+    """Peak memory above the inputs during one call of ``fn``, INCLUDING the gradients it returns
+    (the grads of ``params`` are cleared first, so they are not counted in the baseline)."""
+    for t in params:
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def write_csv(rows: list[dict], filename: str, out_dirs: Iterable[str | Path] = ()) -> None:
+    """Write ``rows`` to benchmarks/results/<filename> and to each of ``out_dirs``."""
+    for d in [RESULTS, *map(Path, out_dirs)]:
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / filename, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr.writeheader()
+            wr.writerows(rows)

@@ -4,13 +4,15 @@ AutoTP (``flce_dist.integrations.deepspeed``), on the CPU (Helion reference mode
 The multi-rank checks run this same file under torchrun (``python tests/test_integrations.py hf|ds``):
 
     torchrun --nproc_per_node=2 tests/test_integrations.py hf   # apply(model, group) at TP=2 == TP=1
-    DS_ACCELERATOR=cpu torchrun --nproc_per_node=2 tests/test_integrations.py ds 1 2 3
-                                                             # DeepSpeed AutoTP=2: flce_dist == "torch" backend
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node=4 tests/test_integrations.py ds 1 2 3
+        # DeepSpeed AutoTP 2 x DP 2, ZeRO 1/2/3 with configs/deepspeed/zero*_autotp2.json:
+        # flce_dist == DeepSpeed's "torch" vocab-parallel CE backend over three SGD steps
 """
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import re
 import socket
@@ -56,7 +58,7 @@ def tiny_model(model_type: str, tied: bool, seed: int = 0, layers: int = 1):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-        model.get_output_embeddings().weight.mul_(20.0)
+        model.get_output_embeddings().weight.mul_(5.0 if tied else 20.0)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     return model
 
@@ -149,6 +151,9 @@ def test_transformers_apply_options_and_kwargs():
     assert rel(apply(fused, softcap=None)(input_ids=ids, labels=labels).loss, loss_ref) > 1e-3
     apply(fused, label_smoothing=0.1)
     assert abs(fused(input_ids=ids, labels=labels).loss.item() - ref(input_ids=ids, labels=labels).loss.item()) > 1e-3
+    # generation (no labels) goes through the model's own forward
+    gen = dict(max_new_tokens=3, do_sample=False)
+    assert torch.equal(fused.generate(ids[:, :4], **gen), ref.generate(ids[:, :4], **gen))
     unapply(fused)
     assert fused(input_ids=ids, labels=labels).logits is not None
     with pytest.raises(TypeError, match="unknown loss option"):
@@ -167,6 +172,25 @@ def test_transformers_classes_exist():
         assert cls.config_class.model_type in SUPPORTED_MODEL_TYPES, name
 
 
+def test_deepspeed_config_section():
+    """The "flce_dist" section of the shipped DeepSpeed configs (no DeepSpeed import needed)."""
+    from flce_dist.integrations.deepspeed import options_from_config
+
+    for stage in (1, 2, 3):
+        path = ROOT / "configs" / "deepspeed" / f"zero{stage}_autotp2.json"
+        opts = options_from_config(str(path))
+        assert opts == {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0, "strategy": "auto"}, opts
+    base = {"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}
+    assert options_from_config(base) is None
+    assert options_from_config({**base, "flce_dist": {"enabled": False, "z_loss": 1e-4}}) is None
+    assert options_from_config({**base, "flce_dist": {"z_loss": 1e-4}}) == {"z_loss": 1e-4}
+    with pytest.raises(ValueError, match="unknown key"):
+        options_from_config({**base, "flce_dist": {"enabled": True, "zloss": 1e-4}})
+    liger = {"tensor_parallel": {"autotp_size": 2, "vocab_parallel_ce_backend": "liger"}, "flce_dist": {}}
+    with pytest.raises(ValueError, match="vocab_parallel_ce_backend"):
+        options_from_config(liger)
+
+
 # ---------------------------------------------------------------------------------------------
 # multi-rank: TP=2 == TP=1, DeepSpeed AutoTP flce_dist == DeepSpeed "torch"
 
@@ -183,13 +207,16 @@ def test_transformers_tp2_matches_tp1():
 @pytest.mark.dist
 def test_deepspeed_autotp_flce_matches_torch_backend():
     pytest.importorskip("transformers")
-    pytest.importorskip("deepspeed")
-    rc, out, secs = _torchrun(["ds", "1", "2", "3"], extra_env={"DS_ACCELERATOR": "cpu"})
+    if importlib.util.find_spec("deepspeed") is None:  # not imported here: it probes the accelerator
+        pytest.skip("deepspeed is not installed")
+    # 4 ranks: AutoTP 2 x data parallel 2, so ZeRO really partitions (stage 3: the head weight too)
+    rc, out, secs = _torchrun(["ds", "1", "2", "3"], world=4, extra_env={"DS_ACCELERATOR": "cpu"})
     print(f"deepspeed torchrun: {secs:.1f} s")
     assert rc == 0, out[-8000:]
-    for stage in (1, 2, 3):
-        ranks = re.findall(rf"\[rank (\d+)\] ds stage {stage} ok", out)
-        assert sorted(int(r) for r in ranks) == [0, 1], out[-4000:]
+    names = [f"stage {s} tied={t}" for s in (1, 2, 3) for t in (False, True)] + ["stage 1 tied=False colwise"]
+    for name in names:
+        ranks = re.findall(rf"\[rank (\d+)\] ds {name} ok", out)
+        assert sorted(int(r) for r in ranks) == [0, 1, 2, 3], (name, out[-4000:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,17 +266,23 @@ def _worker_hf(rank: int, world: int, group) -> int:
     return 1 if failures else 0
 
 
-def _ds_config(stage: int, flce: bool) -> dict:
-    cfg = {
+def _ds_config(stage: int, flce: bool, vocab_parallel_lm_head: bool = True) -> dict:
+    """The shipped configs/deepspeed/zero<stage>_autotp2.json, made CPU- and test-sized."""
+    import json
+
+    with open(ROOT / "configs" / "deepspeed" / f"zero{stage}_autotp2.json") as f:
+        cfg = json.load(f)
+    cfg.update({
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10 ** 6,
-        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": False},  # fp32 on the CPU
         "zero_allow_untested_optimizer": True,  # plain torch SGD: no JIT-built DeepSpeed optimizer
-        "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True, "vocab_parallel_ce_backend": "torch"},
-    }
-    if flce:
-        cfg["flce_dist"] = {"enabled": True}
+    })
+    assert cfg["tensor_parallel"]["vocab_parallel_ce_backend"] == "torch" and cfg["flce_dist"]["enabled"]
+    cfg["tensor_parallel"]["vocab_parallel_lm_head"] = vocab_parallel_lm_head
+    if not flce:
+        del cfg["flce_dist"]  # DeepSpeed's own "torch" vocab-parallel CE backend
     return cfg
 
 
@@ -258,36 +291,50 @@ def _worker_ds(rank: int, world: int, stages: list[int]) -> int:
 
     from flce_dist import runtime
     from flce_dist.integrations import deepspeed as fds
+    from flce_dist.integrations.transformers import apply
 
     failures = []
-    ids, labels = batch()
-    for stage in stages:
+    # (stage, tied, vocab_parallel_lm_head); False: the HF tp_plan's column-parallel lm_head with gathered
+    # logits (deepspeed LinearLayer), where DeepSpeed uses the model's own full-vocabulary loss
+    cases = [(s, t, True) for s in stages for t in (False, True)] + [(stages[0], False, False)]
+    for stage, tied, vocab_parallel in cases:
+        name = f"stage {stage} tied={tied}" + ("" if vocab_parallel else " colwise")
         t0 = time.perf_counter()
         losses = {}
-        for flce in (False, True):
-            model = tiny_model("llama", tied=False)
-            opt = torch.optim.SGD(model.parameters(), lr=0.5)
-            engine, *_ = fds.initialize(model=model, optimizer=opt, config=_ds_config(stage, flce))
+        # "torch": DeepSpeed's backend; "flce": fds.initialize with the "flce_dist" section;
+        # "apply": transformers.apply(model) before a plain deepspeed.initialize (how the HF Trainer would do it)
+        for how in ("torch", "flce") + (("apply",) if stage == stages[0] and vocab_parallel else ()):
+            model = tiny_model("llama", tied=tied)
+            opt = torch.optim.SGD(model.parameters(), lr=0.2)
+            if how == "apply":
+                apply(model)
+                engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(stage, False))
+            else:
+                engine, *_ = fds.initialize(model=model, optimizer=opt,
+                                            config=_ds_config(stage, how == "flce", vocab_parallel))
             head = engine.module.get_output_embeddings()
-            if type(head).__name__ != "VocabParallelLinear":
-                failures.append(f"stage {stage}: lm_head is {type(head).__name__}, not VocabParallelLinear")
+            expected = "VocabParallelLinear" if vocab_parallel else "LinearLayer"
+            if type(head).__name__ != expected or head.weight.shape[0] >= VOCAB:
+                failures.append(f"{name}: lm_head is {type(head).__name__} {tuple(head.weight.shape)}, not a {expected} shard")
+            ids, labels = batch(seed=1 + engine.mpu.get_data_parallel_rank())  # the same within a TP group
             run = []
-            for _ in range(3):  # three SGD steps: later losses check the gradients end to end
+            for _ in range(3):  # three SGD steps: the later losses check the gradients end to end
                 with runtime.override(blocks=SMALL_BLOCKS):
                     out = engine(input_ids=ids, labels=labels)
-                    if flce and out.logits is not None:
-                        failures.append(f"stage {stage}: logits were materialised")
+                    if (how == "torch") != (out.logits is not None):
+                        failures.append(f"{name} {how}: logits {'missing' if how == 'torch' else 'materialised'}")
                     engine.backward(out.loss)
                 engine.step()
                 run.append(out.loss.detach().clone())
-            losses[flce] = torch.stack(run)
+            losses[how] = torch.stack(run)
             engine.destroy()
-        err = rel(losses[True], losses[False])
-        if not err <= 1e-5:
-            failures.append(f"stage {stage}: flce {losses[True].tolist()} vs torch {losses[False].tolist()} ({err:.2e})")
-        else:
-            print(f"[rank {rank}] ds stage {stage} ok: losses {losses[True].tolist()} rel {err:.1e} "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+        for how in losses:
+            err = rel(losses[how], losses["torch"])
+            if not err <= 1e-5:
+                failures.append(f"{name} {how}: {losses[how].tolist()} vs torch "
+                                f"{losses['torch'].tolist()} ({err:.2e})")
+        print(f"[rank {rank}] ds {name} {'FAILED' if failures else 'ok'}: losses "
+              f"{losses['flce'].tolist()} ({time.perf_counter() - t0:.1f} s)", flush=True)
     for f in failures:
         print(f"[rank {rank}] FAIL {f}", flush=True)
     return 1 if failures else 0
@@ -312,7 +359,11 @@ def _main(argv: list[str]) -> int:
 
         skip_cpu_shm_comm_build()  # no ~60 s JIT build of DeepSpeed's CPU shared-memory op
         deepspeed.init_distributed(dist_backend="gloo")
-        return _worker_ds(rank, world, [int(s) for s in argv[1:]])
+        try:
+            return _worker_ds(rank, world, [int(s) for s in argv[1:]])
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
     raise SystemExit(f"unknown mode {mode!r}")
 
 

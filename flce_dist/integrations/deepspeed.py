@@ -29,6 +29,10 @@ Section keys (all optional): ``enabled`` (default true), ``ignore_index``, ``lab
 ``z_loss``, ``softcap`` (default: the model's, e.g. Gemma2's ``final_logit_softcapping``),
 ``temperature``, ``strategy`` (``"auto" | "fused" | "recompute"``).
 
+With ``"vocab_parallel_lm_head": false`` AutoTP follows the HF ``tp_plan`` (``lm_head:
+colwise_gather_output``: a column-parallel ``LinearLayer`` that all-gathers full logits); flce_dist
+uses that layer's shard and group the same way, so the loss is fused there as well.
+
 ZeRO: stages 1 and 2 need nothing. Stage 3 works too: the loss is computed inside the lm_head
 module's call, so ZeRO-3's module hooks gather the (TP-sharded) head weight for it exactly as for
 the stock forward (and re-gather it in backward for the ``recompute`` strategy).

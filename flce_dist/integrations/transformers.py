@@ -33,6 +33,11 @@ lm_head weight and tensor parallelism (resolved at every call, so it follows mod
   (see :mod:`flce_dist.integrations.deepspeed`);
 - a :class:`flce_dist.VocabParallelLMHead`: its shard and group.
 
+Call ``apply`` before building the optimizer: with a ``group`` an untied lm_head gets a new (shard)
+Parameter. Not supported: ``logits_to_keep != 0`` together with labels, and the MoE router aux loss
+(``output_router_logits=True`` raises). ``torch.save(model)`` of a patched model does not pickle
+(the patched forward is a closure); save its ``state_dict``.
+
 ``loss_options``: ``ignore_index``, ``label_smoothing``, ``z_loss``, ``softcap`` (overrides the
 model's), ``temperature`` (multiplies the model's), ``strategy``.
 """
@@ -40,6 +45,7 @@ model's), ``temperature`` (multiplies the model's), ``strategy``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 from typing import Any
@@ -49,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import fused_linear_cross_entropy
+from ..modules import VocabParallelLMHead
 from ..distributed import group_rank, group_size, vocab_shard
 from ..distributed.collectives import all_gather_rows
 
@@ -165,14 +172,15 @@ def _head_shard(head: nn.Module):
         if start is None:
             start = sum(sizes[: head.tp_index])
         return head.weight, bias, group, int(start)
-    shard = getattr(head, "shard", None)
-    if shard is not None and hasattr(head, "group"):  # flce_dist.VocabParallelLMHead
-        return head.weight, bias, head.group, shard[0]
+    if isinstance(head, VocabParallelLMHead):
+        return head.weight, bias, head.group, head.shard[0]
     return head.weight, bias, None, None
 
 
 def _head_loss(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
     weight, bias, group, start = _head_shard(head)
+    if isinstance(head, VocabParallelLMHead):  # its own loss options, under apply()'s
+        options = {**head.loss.options, **options}
     dev = hidden.device.type
     if torch.is_autocast_enabled(dev):
         dt = torch.get_autocast_dtype(dev)
@@ -294,6 +302,11 @@ def _fused_forward(self, *args, **kwargs):
     return result if return_dict else result.to_tuple()
 
 
+def _logical_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """Shape of a parameter, also when ZeRO-3 has partitioned it away (``ds_shape``)."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
 def _check_options(options: dict[str, Any]) -> None:
     unknown = set(options) - set(_LOSS_OPTIONS)
     if unknown:
@@ -322,7 +335,7 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
         raise ValueError(f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}")
     head = model.get_output_embeddings()
-    if head is None or getattr(head, "weight", None) is None or head.weight.dim() != 2:
+    if head is None or getattr(head, "weight", None) is None or len(_logical_shape(head.weight)) != 2:
         raise ValueError(f"{type(model).__name__}.get_output_embeddings() must be a module with a 2-D weight")
     if "softcap" in loss_options and loss_options["softcap"] is not None and not float(loss_options["softcap"]) > 0:
         raise ValueError(f"softcap must be None or > 0, got {loss_options['softcap']}")
@@ -355,7 +368,13 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
         options=dict(loss_options), transform=SUPPORTED_MODEL_TYPES[model_type], moe=model_type in _MOE_TYPES,
         previous_forward=model.__dict__.get("forward"),
     )
-    model.forward = types.MethodType(_fused_forward, model)
+    original = model.__dict__.get("forward") or type(model).forward
+
+    @functools.wraps(original)  # keeps the model's forward signature visible (generate() inspects it)
+    def forward(self, *args, **kwargs):
+        return _fused_forward(self, *args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
     _install_head_forward(head)
     return model
 

@@ -22,7 +22,9 @@ each rank sees the same batch.
 Data: a real English corpus that every CPython ships offline, ``pydoc_data.topics`` (the text of
 the ``help()`` topics, ~470 KB). Tokenizer ``bpe`` (a byte-level BPE of ``data.vocab_size`` trained
 on that corpus with the ``tokenizers`` package) or ``byte`` (raw UTF-8 bytes, 256 ids); tokenizer and
-token ids are cached under ``data.cache_dir``. The token stream is cut into fixed-length sequences
+token ids are cached under ``data.cache_dir``. ``model.vocab_size`` larger than the tokenizer's pads the
+model's vocabulary with rows that no target uses (as Megatron pads; ``llama_small_gpu`` does this
+to give the head a realistic size). The token stream is cut into fixed-length sequences
 that are visited in a per-epoch permutation drawn from ``job.seed``: the data position (sequences
 consumed) alone determines every later batch.
 
@@ -31,8 +33,8 @@ Checkpoints (``checkpoint.ckpt_every`` steps, under ``checkpoint.ckpt_dir``): on
 CUDA / Python RNG states, the loss history), then a ``complete.json`` marker by rank 0 once every
 rank has written. ``--resume`` (or ``checkpoint.resume = true``) continues from the latest complete
 checkpoint when there is one; a worker restarted by torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0)
-always does. A fresh start removes older checkpoints from ``ckpt_dir``. Resuming reproduces the
-uninterrupted run's losses exactly.
+always does. A fresh start removes older checkpoints from ``ckpt_dir``. On the CPU, resuming
+reproduces the uninterrupted run's losses bit for bit (tests/test_train.py).
 
 Fault injection (for the fault-tolerance test): ``FAIL_AT_STEP=S`` (or ``fault.fail_at_step``)
 makes rank ``fault.fail_rank`` SIGKILL itself after step S, on the first attempt only.
@@ -91,6 +93,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "model": {
         "head": "flce",           # "flce": VocabParallelLMHead over the world; "torch": nn.Linear + F.cross_entropy
+        "vocab_size": 0,          # 0: the tokenizer's size; larger: padded with rows no target uses (as Megatron pads)
         "hidden_size": 64,
         "intermediate_size": 176,
         "num_layers": 2,
@@ -161,7 +164,8 @@ def _apply_set(cfg: dict, item: str) -> None:
     else:
         owners = [s for s, table in cfg.items() if key in table]
         if len(owners) != 1:
-            raise ValueError(f"--set {key}: " + ("unknown key" if not owners else f"ambiguous, say one of {[f'{s}.{key}' for s in owners]}"))
+            why = "unknown key" if not owners else f"ambiguous, say one of {[f'{s}.{key}' for s in owners]}"
+            raise ValueError(f"--set {key}: {why}")
         section, name = owners[0], key
     if section not in cfg or name not in cfg[section]:
         raise ValueError(f"--set {key}: unknown config key")
@@ -342,8 +346,12 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float, group: dist.Process
         if p.grad is not None:
             (head if is_head_param(name) else body).append(p.grad)
     dev = (body or head)[0].device
-    sq_body = torch.stack([g.detach().double().pow(2).sum() for g in body]).sum() if body else torch.zeros((), dtype=torch.float64, device=dev)
-    sq_head = torch.stack([g.detach().double().pow(2).sum() for g in head]).sum() if head else torch.zeros((), dtype=torch.float64, device=dev)
+
+    def sq(grads: list[torch.Tensor]) -> torch.Tensor:
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        return torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum() if grads else zero
+
+    sq_body, sq_head = sq(body), sq(head)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sq_head, group=group)
     norm = float((sq_body + sq_head).sqrt())
@@ -413,8 +421,10 @@ def save_checkpoint(ckpt_dir: Path, step: int, position: int, model, opt, losses
         dist.barrier()
     if rank == 0:
         _atomic_write(d / "complete.json", lambda p: p.write_text(json.dumps({"step": step, "world_size": world, **meta})))
-        for old in complete_checkpoints(ckpt_dir)[:-max(keep, 1)]:
-            shutil.rmtree(_step_dir(ckpt_dir, old), ignore_errors=True)
+        kept = set(complete_checkpoints(ckpt_dir)[-max(keep, 1):])
+        for old in ckpt_dir.glob("step_*"):  # older complete ones beyond `keep`, and incomplete leftovers
+            if old.name[5:].isdigit() and int(old.name[5:]) < step and int(old.name[5:]) not in kept:
+                shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint: step %d -> %s", step, d)
 
 
@@ -424,7 +434,7 @@ def load_checkpoint(ckpt_dir: Path, step: int, rank: int, model, opt, meta: dict
         if done.get(key) != meta.get(key):
             raise ValueError(f"checkpoint {ckpt_dir} step {step} has {key}={done.get(key)!r}, this run {meta.get(key)!r}: "
                              f"resharding is not supported, start fresh without --resume or use another ckpt_dir")
-    state = torch.load(_step_dir(ckpt_dir, step) / f"rank_{rank}.pt", map_location=device, weights_only=True)
+    state = torch.load(_step_dir(ckpt_dir, step) / f"rank_{rank}.pt", map_location="cpu", weights_only=True)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     set_rng_state(state["rng"])
@@ -509,7 +519,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(int(job["threads"]))
     group = None
     if world > 1:
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        # The store that torchrun's agent hosts outlives a worker restart: namespace this attempt's
+        # keys, or the restarted ranks find the dead ranks' addresses and counters in it.
+        from torch.distributed.rendezvous import rendezvous
+
+        store, _, _ = next(rendezvous("env://"))
+        store = dist.PrefixStore(f"flce_train/attempt_{restart}", store)
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
+                                device_id=device if use_cuda else None)
         group = dist.group.WORLD
     bf16 = t["dtype"] == "bf16"
     if restart:
@@ -518,10 +535,13 @@ def main(argv: list[str] | None = None) -> int:
     # data: rank 0 builds (or loads) the cache first, the others then load it
     if rank != 0 and world > 1:
         dist.barrier()
-    ids, vocab = build_tokens(cfg)
+    ids, tok_vocab = build_tokens(cfg)
     if rank == 0 and world > 1:
         dist.barrier()
     data = SequenceData(ids, int(cfg["data"]["seq_len"]), int(job["seed"]))
+    vocab = int(cfg["model"]["vocab_size"]) or tok_vocab
+    if vocab < tok_vocab:
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({tok_vocab})")
 
     model = build_model(cfg, vocab, device, group)
     opt = make_optimizer(model, t)
@@ -530,26 +550,31 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model: LlamaForCausalLM %d layers, hidden %d, vocab %d; %s head over %d rank(s) (this rank's rows %s); "
              "%d params on rank 0; %s on %s", cfg["model"]["num_layers"], cfg["model"]["hidden_size"], vocab,
              head, world, shard, n_params, t["dtype"], device)
-    log.info("data: %s, %d tokens, %d sequences of %d, batch %d", CORPUS_NAME, ids.numel(), len(data),
-             cfg["data"]["seq_len"], t["batch_size"])
+    log.info("data: %s, %d tokens (tokenizer vocab %d), %d sequences of %d, batch %d", CORPUS_NAME, ids.numel(),
+             tok_vocab, len(data), cfg["data"]["seq_len"], t["batch_size"])
 
     meta = {"world_size": world, "head": head, "vocab_size": vocab}
     ckpt_dir = Path(ck["ckpt_dir"])
     steps, bs, every = int(t["steps"]), int(t["batch_size"]), int(ck["ckpt_every"])
     start_step, position, losses, resumed_from = 0, 0, [], None
-    available = complete_checkpoints(ckpt_dir)
-    if (ck["resume"] or restart > 0) and available:
-        state = load_checkpoint(ckpt_dir, available[-1], rank, model, opt, meta, device)
-        start_step, position, losses, resumed_from = state["step"], state["position"], list(state["losses"]), state["step"]
-        log.info("resumed from %s at step %d (data position %d)", _step_dir(ckpt_dir, start_step), start_step, position)
-    elif available:
-        if rank == 0:
+    # rank 0 looks at ckpt_dir and decides for everyone (the ranks must not race on the listing)
+    decision: list[int | None] = [None]  # the step to resume from
+    if rank == 0:
+        available = complete_checkpoints(ckpt_dir)
+        decision = [available[-1] if (ck["resume"] or restart > 0) and available else None]
+        if decision[0] is None and available:
             log.warning("fresh start: removing %d checkpoint(s) of an earlier run from %s (use --resume to continue)",
                         len(available), ckpt_dir)
             for s in available:
                 shutil.rmtree(_step_dir(ckpt_dir, s), ignore_errors=True)
-        if world > 1:
-            dist.barrier()
+    if world > 1:
+        dist.broadcast_object_list(decision, src=0, group=group)
+    if decision[0] is not None:
+        state = load_checkpoint(ckpt_dir, decision[0], rank, model, opt, meta, device)
+        start_step, position, losses, resumed_from = state["step"], state["position"], list(state["losses"]), state["step"]
+        log.info("resumed from %s at step %d (data position %d)", _step_dir(ckpt_dir, start_step), start_step, position)
+    elif ck["resume"] or restart > 0:
+        log.info("no complete checkpoint in %s: starting from step 0", ckpt_dir)
 
     fail_at = int(cfg["fault"]["fail_at_step"])
     fail_rank = int(cfg["fault"]["fail_rank"]) % world

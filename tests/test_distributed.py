@@ -37,3 +37,15 @@ def test_vocab_parallel_matches_reference(world):
     assert res.returncode == 0, out[-6000:]
     assert sorted(int(r) for r, _, _ in summary) == list(range(world)), out[-3000:]
     assert all(int(f) == 0 and int(n) > 40 for _, n, f in summary), summary
+
+
+@pytest.mark.dist
+def test_missing_rank_times_out_instead_of_hanging():
+    """A rank that never enters the loss: the others get the group's timeout error (4 s here)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(ROOT / "tests" / "dist_timeout_check.py")]
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = res.stdout + res.stderr
+    assert "TIMEOUT_OK" in out, out[-3000:]
+    assert "NO_ERROR" not in out

@@ -126,7 +126,7 @@ def fused_linear_cross_entropy(
         vocab_start=start, vocab_size=vocab, ignore_index=int(ignore_index), reduction=reduction,
         label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=float(softcap or 0.0),
         temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and group_size(group) > 1,
-        return_lse=bool(return_lse), strategy=strategy,
+        strategy=strategy,
     )
     loss, lse, correct = FLCEFunction.apply(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
     if reduction == "none":

@@ -13,9 +13,11 @@ Two strategies share every kernel and collective:
               -> dW_c = dz.T @ x (local) and dX += dz @ W_c          3 matmuls
               -> dX all-reduce started before the last chunk's dW matmul, so it overlaps it.
 * ``fused`` (scalar reductions with a gradient; the default there): per token chunk n:
-    z = x_n @ W.T -> chunk_stats kernel -> all-gather of the chunk's stats -> global lse
+    lse_forward kernel: z = x_n @ W.T stored + its stats in one pass (or cuBLAS + chunk_stats,
+    ``runtime.override(fused_logits="cublas")``) -> all-gather of the chunk's stats -> global lse
     -> chunk_grad_ kernel -> dX_n = dz @ W (async all-reduce of the chunk) and dW += dz.T @ x_n
-    3 matmuls in all; backward only scales the stored dX, dW by grad_output.
+    3 matmuls in all; backward only scales the stored dX, dW by grad_output (in place; a second
+    backward through the same graph recomputes). All ranks plan the same chunks.
 
 Memory: one logits chunk (``runtime.chunk_rows``) plus dX/dW; never [N, V_r].
 """

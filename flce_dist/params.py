@@ -22,7 +22,6 @@ class FLCEParams:
       three matmuls; only for scalar reductions), ``"recompute"`` keeps per-token statistics and
       recomputes logits in the backward (four matmuls, the smallest memory); ``"auto"`` picks fused
       when a gradient is needed and the reduction is a scalar.
-    chunk_bytes: the budget for one materialised logits chunk (bytes); 0 picks a default.
     """
 
     vocab_start: int
@@ -34,9 +33,7 @@ class FLCEParams:
     softcap: float = 0.0  # 0 disables
     temperature: float = 1.0
     sequence_parallel: bool = False
-    return_lse: bool = False
     strategy: Strategy = "auto"
-    chunk_bytes: int = 0
 
     @property
     def logit_scale(self) -> float:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .autograd import FLCEFunction
 from .distributed import group_size, resolve_shard
+from .distributed.shard import call_signature
 from .params import FLCEParams
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -109,8 +110,13 @@ def fused_linear_cross_entropy(
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
 
-    start, vocab = resolve_shard(group, weight.shape[0], vocab_start, hidden.device)
     x = hidden.reshape(-1, h)
+    needs_grad = torch.is_grad_enabled() and any(
+        t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
+    sig = call_signature(h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction,
+                         float(label_smoothing), float(z_loss), softcap, float(temperature),
+                         bool(sequence_parallel), strategy, num_items_in_batch is not None)
+    start, vocab = resolve_shard(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], sig)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel():
         bad = (t != ignore_index) & ((t < 0) | (t >= vocab))

@@ -141,6 +141,23 @@ def module_and_errors(ck, dev, group):
         ck.true("overlapping shards raise ValueError", False)
     except ValueError as exc:
         ck.true(f"overlapping shards error names the tiling ({exc})", "tile" in str(exc))
+    # ranks that disagree on the token count or on the options: ValueError on every rank, no hang
+    r = dist.get_rank(group)
+    fresh = dist.new_group(list(range(p)))
+    xs = torch.randn(5 + (r == 0), 24, device=dev)
+    try:
+        flce_dist.fused_linear_cross_entropy(xs, head.weight, torch.randint(0, 53, (xs.shape[0],), device=dev),
+                                             group=fresh, vocab_start=s)
+        ck.true("ranks disagreeing on N raise ValueError", False)
+    except ValueError as exc:
+        ck.true(f"disagreeing N error names the tokens ({exc})", "number of tokens" in str(exc))
+    fresh = dist.new_group(list(range(p)))
+    try:
+        flce_dist.fused_linear_cross_entropy(x, head.weight, t, group=fresh, vocab_start=s,
+                                             label_smoothing=0.1 if r == p - 1 else 0.0)
+        ck.true("ranks disagreeing on options raise ValueError", False)
+    except ValueError as exc:
+        ck.true(f"disagreeing options error names the ranks ({exc})", f"ranks [{p - 1}]" in str(exc))
 
 
 def big_memory(ck, dev, group):

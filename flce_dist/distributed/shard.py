@@ -7,6 +7,7 @@ global ids ``[start_i, start_i + V_i)`` with ``start_i = i * q + min(i, r)``.
 
 from __future__ import annotations
 
+import zlib
 from functools import lru_cache
 
 import torch
@@ -34,22 +35,32 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-@lru_cache(maxsize=256)
-def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str) -> tuple[int, int]:
-    # One all-gather of (start, size) per (group, shard) — a host sync, once per distinct shape.
+@lru_cache(maxsize=1024)
+def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str,
+                    n_tokens: int, signature: int) -> tuple[int, int]:
+    # One all-gather of (start, size, tokens, call signature) per distinct (group, shard, call):
+    # a host sync, once per shape, never on the steady-state hot path.
     from .collectives import all_gather_rows
 
-    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local]], dtype=torch.int64, device=device)
+    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, signature]],
+                      dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     rows = all_gather_rows(me, group).cpu().tolist()
-    explicit = [s for s, _ in rows]
+    if any(r[2] != rows[0][2] for r in rows):
+        raise ValueError(f"ranks disagree on the number of tokens in hidden: {[r[2] for r in rows]} per rank "
+                         "(every rank of the group must pass the same tokens, or equal slices with sequence_parallel)")
+    if any(r[3] != rows[0][3] for r in rows):
+        bad = [i for i, r in enumerate(rows) if r[3] != rows[0][3]]
+        raise ValueError(f"ranks {bad} call the loss with a different hidden size, dtype, bias, gradient need or "
+                         "loss options than rank 0 (every rank of the group must make the same call)")
+    explicit = [r[0] for r in rows]
     if any(s >= 0 for s in explicit) and any(s < 0 for s in explicit):
         raise ValueError("vocab_start must be given on every rank of the group or on none")
     if explicit[0] < 0:
         starts, acc = [], 0
-        for _, n in rows:
+        for row in rows:
             starts.append(acc)
-            acc += n
+            acc += row[1]
     else:
         starts = explicit
     order = sorted(range(world), key=lambda i: starts[i])
@@ -64,12 +75,23 @@ def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | N
     return starts[dist.get_rank(group)], pos
 
 
-def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device) -> tuple[int, int]:
-    """``(vocab_start, vocab_size)`` of this rank; checks once per shape that the ranks' shards
-    tile ``[0, V)`` exactly (raises ``ValueError`` otherwise)."""
+def call_signature(*fields: object) -> int:
+    """A 62-bit digest of the call's non-shard fields, compared across ranks by ``resolve_shard``."""
+    return zlib.crc32(repr(fields).encode()) | (zlib.adler32(repr(fields).encode()) << 31)
+
+
+def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
+                  n_tokens: int = 0, signature: int = 0) -> tuple[int, int]:
+    """``(vocab_start, vocab_size)`` of this rank.
+
+    Once per distinct (group, shard, token count, call signature) it all-gathers them and raises
+    ``ValueError`` on every rank if the shards do not tile ``[0, V)`` exactly, or the ranks disagree
+    on the token count or the call signature (which would otherwise mismatch later collectives).
+    A rank whose call differs from the one it cached may instead meet the others in a different
+    collective; that ends in the group's timeout error, not a hang."""
     if group is None or dist.get_world_size(group) == 1:
         if vocab_start not in (None, 0):
             raise ValueError(f"vocab_start must be 0 or None without a tensor-parallel group, got {vocab_start}")
         return 0, v_local
     dev = str(device) if dist.get_backend(group) == "nccl" else "cpu"
-    return _resolve_cached(group, v_local, vocab_start, dev)
+    return _resolve_cached(group, v_local, vocab_start, dev, int(n_tokens), int(signature))

@@ -114,7 +114,7 @@ def fused_linear_cross_entropy(
     needs_grad = torch.is_grad_enabled() and any(
         t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
     sig = call_signature(h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction,
-                         float(label_smoothing), float(z_loss), softcap, float(temperature),
+                         float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature),
                          bool(sequence_parallel), strategy, num_items_in_batch is not None)
     start, vocab = resolve_shard(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], sig)
     t = target.reshape(-1).to(torch.int64)

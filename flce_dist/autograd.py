@@ -86,14 +86,9 @@ def _grad_kw(p: FLCEParams) -> dict[str, float]:
 
 def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                   p: FLCEParams, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Global per-token stats [N, 3] without keeping logits (one collective)."""
-    if x.shape[0] == 0 or w.shape[0] == 0:
-        local = torch.zeros(x.shape[0], 4, dtype=_stat_dtype(x), device=x.device)
-        local[:, 0] = float("-inf")  # an empty shard contributes nothing to the lse or the max
-        local[:, 3] = float("-inf")
-    else:
-        local = R.lse_forward(x, w, b, tl, p.logit_scale, p.softcap, p.needs_sum)
-    return combine_stats(local, group)
+    """Global per-token stats [N, 4] without keeping logits (one collective). An empty batch or
+    shard gets (-inf, 0, 0, -inf) rows from ``runtime.lse_forward``'s empty-chunk path."""
+    return combine_stats(R.lse_forward(x, w, b, tl, p.logit_scale, p.softcap, p.needs_sum), group)
 
 
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,

@@ -77,7 +77,8 @@ def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | N
 
 def call_signature(*fields: object) -> int:
     """A 62-bit digest of the call's non-shard fields, compared across ranks by ``resolve_shard``."""
-    return zlib.crc32(repr(fields).encode()) | (zlib.adler32(repr(fields).encode()) << 31)
+    text = repr(fields).encode()
+    return zlib.crc32(text) | (zlib.adler32(text) << 31)
 
 
 def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,

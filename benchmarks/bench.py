@@ -1,4 +1,5 @@
-"""Single-GPU benchmark: flce_dist vs torch, Liger FLCE, CCE and the bare matmul, in one run.
+"""Single-GPU benchmark: flce_dist vs torch, Liger FLCE, CCE, DeepSpeed's
+``vocab_parallel_linear_cross_entropy`` (one-rank group) and the bare matmul, in one run.
 
     python benchmarks/bench.py [--shapes llama3,qwen3,gemma] [--n 8192] [--dtype bf16] [--out DIR]
 
@@ -49,6 +50,21 @@ def _impls():
         impls["cce"] = lambda x, w, t: linear_cross_entropy(x, w, t)
     except Exception as e:  # noqa: BLE001
         print("cce unavailable:", e)
+    try:  # DeepSpeed's fused function needs a TP group: a one-process group here
+        import os
+
+        import deepspeed
+        import torch.distributed as dist
+        from deepspeed.sequence.linear_cross_entropy import vocab_parallel_linear_cross_entropy
+
+        for k, val in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29541"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+            os.environ.setdefault(k, val)
+        deepspeed.init_distributed(dist_backend="nccl")
+        impls["deepspeed"] = lambda x, w, t: vocab_parallel_linear_cross_entropy(
+            x, w, t, tp_group=dist.group.WORLD, vocab_start_index=0, vocab_end_index=w.shape[0])
+    except Exception as e:  # noqa: BLE001
+        print("deepspeed unavailable:", e)
     return impls
 
 

@@ -22,6 +22,11 @@ for w in ${*:-tests bench}; do
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
     bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32.log" | tail -6 ;;
+    profile) timeout 150 python3 benchmarks/profile.py --out "$OUT" 2>&1 | flt | tee "$OUT/profile.log" | tail -24 ;;
+    train) for run in "2 flce" "1 flce" "1 torch"; do set -- $run
+             NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
+               --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \
+               | tee "$OUT/train_$2_$1.log" | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"; done ;;
     tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error" | tail -20 ;;
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -22 ;;

@@ -42,6 +42,7 @@ def fused_linear_cross_entropy(
     return_token_accuracy: bool = False,
     strategy: str = "auto",
     check_finite: bool = False,
+    deterministic: bool = False,
 ):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
 
@@ -56,6 +57,11 @@ def fused_linear_cross_entropy(
     ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
     shards; a tie with the target counts as correct; ignored tokens are False), each shaped like
     target and not differentiable, in that order: ``loss[, lse][, correct]``.
+
+    ``deterministic=True``: bitwise identical loss and gradients from run to run on every rank. One
+    GPU is already reproducible (no atomics; fixed chunk plan); under TP this replaces NCCL's dX
+    all-reduce (whose summation order NCCL does not fix) by an all-to-all + float32 sum in rank
+    order + all-gather: same bytes, but blocking (no overlap with the last dW matmul).
 
     ``check_finite=True`` raises ``FloatingPointError`` when the loss is NaN/inf (a host sync; off by
     default). Without it, NaN/inf in hidden, weight or bias propagate to the loss, never masked.
@@ -115,7 +121,7 @@ def fused_linear_cross_entropy(
         t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
     sig = call_signature(h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction,
                          float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature),
-                         bool(sequence_parallel), strategy, num_items_in_batch is not None)
+                         bool(sequence_parallel), strategy, num_items_in_batch is not None, bool(deterministic))
     start, vocab = resolve_shard(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], sig)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel():
@@ -132,7 +138,7 @@ def fused_linear_cross_entropy(
         vocab_start=start, vocab_size=vocab, ignore_index=int(ignore_index), reduction=reduction,
         label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=float(softcap or 0.0),
         temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and group_size(group) > 1,
-        strategy=strategy,
+        strategy=strategy, deterministic=bool(deterministic),
     )
     loss, lse, correct = FLCEFunction.apply(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
     if reduction == "none":

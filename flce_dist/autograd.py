@@ -20,6 +20,11 @@ Two strategies share every kernel and collective:
     backward through the same graph recomputes). All ranks plan the same chunks.
 
 Memory: one logits chunk (``runtime.chunk_rows``) plus dX/dW; never [N, V_r].
+
+Determinism: no atomics anywhere; every reduction is a fixed-order tile reduction, a torch
+reduction or a cuBLAS matmul, and the chunk plan depends only on the call's shapes, so one GPU is
+bitwise reproducible run to run. Across ranks the only order not fixed by this code is NCCL's
+all-reduce / reduce-scatter of dX; ``deterministic=True`` replaces them (see ``collectives.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from . import runtime as R
-from .distributed import all_gather_rows, all_reduce_async, combine_stats, group_size, reduce_scatter_rows
+from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
+                          reduce_scatter_rows, reduce_scatter_rows_deterministic)
 from .params import FLCEParams
 
 
@@ -122,7 +128,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         stats[i:i + rows] = st
         R.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
         torch.mm(z, w, out=dx[i:i + rows])
-        if not sp:
+        if not sp and not p.deterministic:
             h = all_reduce_async(dx[i:i + rows], group)
             if h is not None:
                 handles.append(h)
@@ -134,6 +140,8 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             db += z.sum(0, dtype=db.dtype)
     for h in handles:
         h.wait()
+    if p.deterministic and not sp:
+        all_reduce_deterministic_(dx, group)
     return stats, dx, dw, db
 
 
@@ -162,17 +170,19 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         dx += torch.mm(z, wc)
         if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
             out = dx.to(x.dtype)
-            if not p.sequence_parallel:
+            if not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
         torch.mm(z.T, x, out=dw[j:j + cols])
         if db is not None:
             db[j:j + cols] = z.sum(0, dtype=db.dtype)
     if v == 0:
         out = dx.to(x.dtype)
-        if not p.sequence_parallel:
+        if not p.sequence_parallel and not p.deterministic:
             handle = all_reduce_async(out, group)
     if handle is not None:
         handle.wait()
+    if p.deterministic and not p.sequence_parallel:
+        all_reduce_deterministic_(out, group)
     return out, dw, db
 
 
@@ -202,7 +212,7 @@ class FLCEFunction(torch.autograd.Function):
             g = row_weights(valid, p, num_items, _stat_dtype(x))
             stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
             if sp:
-                dx = reduce_scatter_rows(dx, group)
+                dx = (reduce_scatter_rows_deterministic if p.deterministic else reduce_scatter_rows)(dx, group)
             pre = (dx, dw, db)
         else:
             stats = forward_stats(x, weight, bias, tl, p, group)
@@ -255,7 +265,7 @@ class FLCEFunction(torch.autograd.Function):
             g = g * grad_loss.to(g.dtype)
         dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, ctx.group)
         if ctx.sp:
-            dx = reduce_scatter_rows(dx, ctx.group)
+            dx = (reduce_scatter_rows_deterministic if p.deterministic else reduce_scatter_rows)(dx, ctx.group)
         if db is not None:
             db = db.to(w.dtype)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,

@@ -34,6 +34,7 @@ class FLCEParams:
     temperature: float = 1.0
     sequence_parallel: bool = False
     strategy: Strategy = "auto"
+    deterministic: bool = False  # dX sums across ranks in rank order, not NCCL's (collectives.py)
 
     @property
     def logit_scale(self) -> float:

@@ -590,7 +590,15 @@ def main(argv: list[str] | None = None) -> int:
     model.train()
     tokens_per_step = bs * int(cfg["data"]["seq_len"])
     t_start, t_log, window = time.perf_counter(), time.perf_counter(), 0
+    warm_steps = min(int(job["log_every"]), max(0, steps - start_step - 1))  # compile/warm-up excluded below
+    t_steady = t_start
+    if use_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(start_step + 1, steps + 1):
+        if step == start_step + 1 + warm_steps:
+            if use_cuda:
+                torch.cuda.synchronize(device)
+            t_steady = time.perf_counter()
         t0 = time.perf_counter()
         batch = data.batch(position, bs).to(device, non_blocking=True)
         position += bs
@@ -626,10 +634,22 @@ def main(argv: list[str] | None = None) -> int:
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
+    if use_cuda:
+        torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t_start
+    steady = (steps - start_step - warm_steps) * tokens_per_step / max(time.perf_counter() - t_steady, 1e-9)
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if use_cuda else 0.0])
+    if world > 1 and use_cuda:
+        peak = peak.to(device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     if rank == 0:
         done = len(losses) - (resumed_from or 0)
         extra["tokens_per_s"] = done * tokens_per_step / max(elapsed, 1e-9)
+        extra["tokens_per_s_steady"] = steady  # after the first log_every steps (Helion compile, warm-up)
+        extra["peak_gib_per_rank"] = float(peak)
+        if use_cuda:
+            log.info("steady state: %.0f tok/s after %d warm-up steps; peak memory %.2f GiB per rank (max over ranks)",
+                     steady, warm_steps, float(peak))
         write_losses(losses_path, losses, extra)
         if losses:
             log.info("done: %d steps, loss %.4f -> %.4f, %.1f s (%.0f tok/s); losses in %s", steps, losses[0], losses[-1],

@@ -88,7 +88,8 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
     xr = x.to(dtype).double().clone().requires_grad_()
     wr = w.to(dtype).double().clone().requires_grad_()
     br = b.to(dtype).double().clone().requires_grad_() if bias else None
-    ref, ref_lse = reference_loss(xr, wr, t, bias=br, reduction=reduction, return_lse=True, **opts)
+    ref_opts = {k: v for k, v in opts.items() if k != "deterministic"}
+    ref, ref_lse = reference_loss(xr, wr, t, bias=br, reduction=reduction, return_lse=True, **ref_opts)
     ref.backward(go if reduction == "none" else torch.ones((), dtype=torch.float64))
     lt, gt = tol or ((1e-5, 1e-4) if dtype != torch.bfloat16 else (1e-2, 1e-2))
     if ignore == "all":
@@ -116,6 +117,37 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
         l1.backward(go.to(dev, l1.dtype) if reduction == "none" else None)
         ck.close(f"{name}: TP loss == TP1 loss", loss, l1, lt)
         ck.close(f"{name}: TP dW == TP1 dW slice", ws.grad, w1.grad[s:e], gt)
+
+
+def determinism(ck, dev, group, dtype):
+    """deterministic=True: two runs and every rank give bitwise identical loss and dX; dW too."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(77)
+    n, h, v = 11 * p, 40, 12 * p + 5
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * h**-0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    s, e = vocab_shard(v, r, p)
+    for strategy in ("fused", "recompute"):
+        for sp in (False, True):
+            runs = []
+            rows = slice(r * (n // p), (r + 1) * (n // p)) if sp else slice(0, n)
+            for _ in range(2):
+                xs = x[rows].to(dev).clone().requires_grad_()
+                ws = w[s:e].to(dev).clone().requires_grad_()
+                loss = flce_dist.fused_linear_cross_entropy(xs, ws, t[rows].to(dev), group=group, strategy=strategy,
+                                                            sequence_parallel=sp, deterministic=True)
+                loss.backward()
+                runs.append((loss.detach(), xs.grad, ws.grad))
+            name = f"P={p} {dtype} {strategy} sp={sp} deterministic"
+            ck.true(f"{name}: two runs bitwise equal", all(torch.equal(a, b) for a, b in zip(*runs)))
+            if not sp:
+                allx = [torch.empty_like(runs[0][1]) for _ in range(p)]
+                dist.all_gather(allx, runs[0][1].contiguous(), group=group)
+                ck.true(f"{name}: dX bitwise equal on every rank", all(torch.equal(a, allx[0]) for a in allx))
+            ref = flce_dist.fused_linear_cross_entropy(x.double().requires_grad_(), w.double(), t)
+            ref.backward()
+            ck.close(f"{name}: loss", runs[0][0], ref, 1e-5 if dtype != torch.bfloat16 else 1e-2)
 
 
 def module_and_errors(ck, dev, group):
@@ -232,6 +264,13 @@ def main():
             else:
                 case(ck, dev, group, n=41, h=70, v=3 * p + 1, dtype=torch.float64, strategy="fused", reduction="mean", bias=True, sp=False,
                      tol=(1e-12, 1e-10))
+            for strategy in ("fused", "recompute"):
+                case(ck, dev, group, n=9 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="mean",
+                     bias=True, sp=False, deterministic=True)
+                case(ck, dev, group, n=4 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="none",
+                     bias=False, sp=True, deterministic=True)
+            for dtype in dtypes:
+                determinism(ck, dev, group, dtype)
             module_and_errors(ck, dev, group)
             if args.big and args.backend == "nccl":
                 big_memory(ck, dev, group)

@@ -109,14 +109,16 @@ def test_extreme_logits_finite(dtype):
     assert rel(loss, reference_loss(x.double(), w.double(), t)) <= 1e-2
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
-def test_bitwise_deterministic(strategy):
-    """No atomics: two runs on the same inputs give bitwise identical loss and gradients."""
+def test_bitwise_deterministic(strategy, deterministic):
+    """No atomics: two runs on the same inputs give bitwise identical loss and gradients, with
+    and without ``deterministic=True`` (on one GPU they take the same path)."""
     x, w, t = _case(2, 1024, 4096, 32000, torch.bfloat16, seed=4)
     outs = []
     for _ in range(2):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, strategy=strategy)
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, strategy=strategy, deterministic=deterministic)
         loss.backward()
         outs.append((loss.detach(), xs.grad, ws.grad))
     for a, b in zip(*outs):

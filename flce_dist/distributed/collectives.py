@@ -6,6 +6,13 @@ Per training step (group of P ranks, N tokens, H hidden, k = 3 stats):
   backward  one all-reduce of dX, ``N*H`` elements of hidden's dtype (async, overlapped with dW)
   SP        plus an all-gather of hidden (``N*H``) and targets, and a reduce-scatter of dX instead
             of the all-reduce.
+
+Deterministic mode (``deterministic=True``): NCCL sums in an order fixed by its algorithm and
+protocol choice (ring/tree, channel count), which depend on the message size, topology, NCCL version
+and ``NCCL_*`` settings, so NCCL does not promise bitwise-stable sums. There, the dX all-reduce
+becomes an all-to-all (each rank receives every rank's partial of its 1/P segment) + a float32 sum
+in rank order + an all-gather (same bytes as a ring all-reduce, 2·(P-1)/P·N·H), and the SP
+reduce-scatter an all-to-all + ordered sum (same bytes as the reduce-scatter). Both are blocking.
 """
 
 from __future__ import annotations
@@ -19,6 +26,14 @@ from .shard import group_size
 # image) only has the old ones. Both take a flat output: [P * rows, ...].
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """``parts [P, ...]`` summed in rank order, in float32 (float64 stays float64)."""
+    acc = parts[0].to(torch.float64 if parts.dtype == torch.float64 else torch.float32)
+    for k in range(1, parts.shape[0]):
+        acc += parts[k]
+    return acc
 
 
 def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -40,6 +55,35 @@ def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> dist.W
     if group_size(group) == 1:
         return None
     return dist.all_reduce(t, group=group, async_op=True)
+
+
+def all_reduce_deterministic_(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum ``t`` across the group in place, bitwise identical on every rank and from run to run:
+    all-to-all of 1/P segments, a float32 sum in rank order, an all-gather (blocking)."""
+    p = group_size(group)
+    if p == 1:
+        return t
+    flat = t.reshape(-1)
+    seg = -(-flat.numel() // p)
+    padded = torch.zeros(p * seg, dtype=t.dtype, device=t.device)
+    padded[: flat.numel()] = flat
+    parts = torch.empty_like(padded)
+    dist.all_to_all_single(parts, padded, group=group)
+    mine = _ordered_sum(parts.view(p, seg)).to(t.dtype)
+    _all_gather_flat(padded, mine, group=group)
+    t.copy_(padded[: flat.numel()].view_as(t))
+    return t
+
+
+def reduce_scatter_rows_deterministic(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``reduce_scatter_rows`` with the sum taken locally in rank order (all-to-all + ordered sum)."""
+    p = group_size(group)
+    if p == 1:
+        return t
+    t = t.contiguous()
+    parts = torch.empty_like(t)
+    dist.all_to_all_single(parts, t, group=group)
+    return _ordered_sum(parts.view(p, t.shape[0] // p, *t.shape[1:])).to(t.dtype)
 
 
 def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

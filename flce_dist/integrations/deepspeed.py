@@ -27,7 +27,7 @@ data-parallel group as usual. Without labels the DeepSpeed forward (local logits
 
 Section keys (all optional): ``enabled`` (default true), ``ignore_index``, ``label_smoothing``,
 ``z_loss``, ``softcap`` (default: the model's, e.g. Gemma2's ``final_logit_softcapping``),
-``temperature``, ``strategy`` (``"auto" | "fused" | "recompute"``).
+``temperature``, ``strategy`` (``"auto" | "fused" | "recompute"``), ``deterministic``.
 
 With ``"vocab_parallel_lm_head": false`` AutoTP follows the HF ``tp_plan`` (``lm_head:
 colwise_gather_output``: a column-parallel ``LinearLayer`` that all-gathers full logits); flce_dist
@@ -56,7 +56,7 @@ from . import transformers as _hf
 __all__ = ["SECTION", "enable", "initialize", "load_config", "options_from_config", "skip_cpu_shm_comm_build"]
 
 SECTION = "flce_dist"
-_KEYS = ("enabled", "ignore_index", "label_smoothing", "z_loss", "softcap", "temperature", "strategy")
+_KEYS = ("enabled", "ignore_index", "label_smoothing", "z_loss", "softcap", "temperature", "strategy", "deterministic")
 
 
 def load_config(config: str | os.PathLike | dict | None) -> dict:

@@ -39,7 +39,7 @@ Parameter. Not supported: ``logits_to_keep != 0`` together with labels, and the 
 (the patched forward is a closure); save its ``state_dict``.
 
 ``loss_options``: ``ignore_index``, ``label_smoothing``, ``z_loss``, ``softcap`` (overrides the
-model's), ``temperature`` (multiplies the model's), ``strategy``.
+model's), ``temperature`` (multiplies the model's), ``strategy``, ``deterministic``.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "cohere": "multiply",  # logits = logits * model.logit_scale
 }
 _MOE_TYPES = {"qwen3_moe", "mixtral"}
-_LOSS_OPTIONS = ("ignore_index", "label_smoothing", "z_loss", "softcap", "temperature", "strategy")
+_LOSS_OPTIONS = ("ignore_index", "label_smoothing", "z_loss", "softcap", "temperature", "strategy", "deterministic")
 # per-call kwargs of transformers' loss_function that the base model must not receive
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 

@@ -1,0 +1,101 @@
+"""Where the fused loss spends its time: a kernel-level breakdown from ``torch.profiler``.
+
+    python benchmarks/profile.py [--shapes llama3,gemma] [--n 8192] [--strategy auto] [--out DIR]
+
+Per shape: the bare ``x @ W.T`` matmul (CUDA events, this run), then ``--iters`` profiled
+forward+backward calls of ``fused_linear_cross_entropy``. Kernels are grouped into classes
+(cuBLAS matmul, each Helion kernel, other torch kernels), each reported as ms per call and as a
+fraction of the 3-matmul floor; "idle" is the wall time (CUDA events) not covered by any kernel.
+Writes ``profile.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flce_dist  # noqa: E402
+from flce_dist._timing import cuda_time_ms, write_csv  # noqa: E402
+
+SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
+CLASSES = [("matmul (cuBLAS)", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_", re.I)),
+           ("lse_forward (Helion)", re.compile(r"lse_forward", re.I)),
+           ("chunk_grad (Helion)", re.compile(r"chunk_grad", re.I)),
+           ("chunk_stats (Helion)", re.compile(r"chunk_stats", re.I)),
+           ("nccl", re.compile(r"nccl", re.I))]
+
+
+def classify(name: str) -> str:
+    for label, rx in CLASSES:
+        if rx.search(name):
+            return label
+    return "other torch kernels"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama3,gemma")
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    rows, top = [], []
+    for shape in args.shapes.split(","):
+        h, v = SHAPES[shape]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * h**-0.5).requires_grad_()
+        t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
+        mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, 10)
+
+        def fb():
+            x.grad = w.grad = None
+            flce_dist.fused_linear_cross_entropy(x, w, t, strategy=args.strategy).backward()
+
+        wall = cuda_time_ms(fb, 10)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                fb()
+            torch.cuda.synchronize()
+        per_class: dict[str, float] = defaultdict(float)
+        per_kernel: dict[str, float] = defaultdict(float)
+        for ev in prof.key_averages():
+            dt = getattr(ev, "device_time_total", None)
+            if dt is None:
+                dt = ev.cuda_time_total
+            if dt <= 0 or ev.key.startswith("ProfilerStep"):
+                continue
+            ms = dt / 1e3 / args.iters
+            if ev.key in ("cudaDeviceSynchronize",) or ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            per_class[classify(ev.key)] += ms
+            per_kernel[ev.key] += ms
+        busy = sum(per_class.values())
+        per_class["idle (wall - kernels)"] = max(0.0, wall - busy)
+        for label, ms in sorted(per_class.items(), key=lambda kv: -kv[1]):
+            rows.append(dict(shape=shape, part=label, ms=ms, frac_of_floor=ms / (3 * mm)))
+        rows.append(dict(shape=shape, part="TOTAL wall (fwd+bwd)", ms=wall, frac_of_floor=wall / (3 * mm)))
+        rows.append(dict(shape=shape, part="floor: 3 x bare matmul", ms=3 * mm, frac_of_floor=1.0))
+        for k, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
+            top.append(f"{shape:7} {ms:8.3f} ms  {k[:110]}")
+        del x, w, t
+        torch.cuda.empty_cache()
+    write_csv(rows, "profile.csv", [args.out] if args.out else [])
+    print("\ntop kernels per call:")
+    print("\n".join(top))
+    print(f"\n{torch.cuda.get_device_name()} bf16 N={args.n} strategy={args.strategy}: ms per fwd+bwd, and x the 3-matmul floor")
+    print(f"{'shape':7} {'part':28} {'ms':>8} {'x floor':>8}")
+    for r in rows:
+        print(f"{r['shape']:7} {r['part']:28} {r['ms']:8.2f} {r['frac_of_floor']:8.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,7 @@ if [ -d .whl ]; then
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
-{ git rev-parse --short HEAD 2>/dev/null || cat .device_commit 2>/dev/null; } | tee "$OUT/commit.txt"  # the device copy has no .git: before the call run `git rev-parse --short HEAD > .device_commit` and carry it
+{ cat .device_commit 2>/dev/null || git rev-parse --short HEAD; } | tee "$OUT/commit.txt"  # the device copy has no .git: before the call run `git rev-parse --short HEAD > .device_commit` and carry it
 flt() { grep -v "DEBUG\|registered at"; }
 for w in ${*:-tests bench}; do
   case $w in
@@ -22,7 +22,7 @@ for w in ${*:-tests bench}; do
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
     bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32.log" | tail -6 ;;
-    profile) timeout 150 python3 benchmarks/profile.py --out "$OUT" 2>&1 | flt | tee "$OUT/profile.log" | tail -24 ;;
+    profile) timeout 150 python3 benchmarks/kernel_profile.py --out "$OUT" 2>&1 | flt | tee "$OUT/profile.log" | tail -24 ;;
     train) for run in "2 flce" "1 flce" "1 torch"; do set -- $run
              NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
                --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \

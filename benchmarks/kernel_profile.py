@@ -1,6 +1,6 @@
 """Where the fused loss spends its time: a kernel-level breakdown from ``torch.profiler``.
 
-    python benchmarks/profile.py [--shapes llama3,gemma] [--n 8192] [--strategy auto] [--out DIR]
+    python benchmarks/kernel_profile.py [--shapes llama3,gemma] [--n 8192] [--strategy auto] [--out DIR]
 
 Per shape: the bare ``x @ W.T`` matmul (CUDA events, this run), then ``--iters`` profiled
 forward+backward calls of ``fused_linear_cross_entropy``. Kernels are grouped into classes

@@ -109,7 +109,9 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     rows = R.chunk_rows(n, v_plan, x.element_size(), x.device, reserved_bytes=(v_plan + n) * x.shape[1] * x.element_size())
     stats = torch.empty(n, 4, dtype=_stat_dtype(x), device=x.device)
     dx = torch.empty_like(x)
-    dw = torch.zeros_like(w)
+    dw = torch.empty_like(w)  # the first chunk writes it (no zero fill), later chunks accumulate
+    if n == 0:
+        dw.zero_()
     db = torch.zeros(v, dtype=_stat_dtype(x), device=x.device) if b is not None else None
     kw = _grad_kw(p)
     handles = []
@@ -132,7 +134,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             h = all_reduce_async(dx[i:i + rows], group)
             if h is not None:
                 handles.append(h)
-        if i == 0 and i + rows >= n:
+        if i == 0:
             torch.mm(z.T, xc, out=dw)
         else:
             dw.addmm_(z.T, xc)
@@ -251,8 +253,13 @@ class FLCEFunction(torch.autograd.Function):
             dx, dw, db = ctx.pre
             ctx.pre = None
             go = grad_loss.to(torch.float64 if dx.dtype == torch.float64 else torch.float32)
-            dx = dx.mul_(go.to(dx.dtype)) if ctx.needs_input_grad[0] else None
-            dw = dw.mul_(go.to(dw.dtype)) if ctx.needs_input_grad[1] else None
+            dx = dx if ctx.needs_input_grad[0] else None
+            dw = dw if ctx.needs_input_grad[1] else None
+            scaled = [t for t in (dx, dw) if t is not None and t.numel()]
+            if scaled:
+                # one vectorised multi-tensor pass; a 0-d CUDA tensor operand in mul_ takes
+                # torch's broadcasting (non-vectorised) kernel: 1.5 ms vs ~0.6 ms at llama3 on the H200
+                torch._foreach_mul_(scaled, go)
             db = (db * go).to(ctx.w_dtype) if db is not None and ctx.needs_input_grad[2] else None
             return dx, dw, db, None, None, None, None
         x, w, b, tl, lse, valid, num_items = ctx.saved_tensors

@@ -27,8 +27,17 @@ def reference_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     inputs' dtype). Mean divides by the non-ignored count (or ``num_items_in_batch``); an all-ignored
     batch gives 0, not NaN."""
     h = hidden.reshape(-1, hidden.shape[-1])
-    t = target.reshape(-1)
     z = reference_logits(h, weight, bias, softcap=softcap, temperature=temperature)
+    return loss_from_logits(z, target, ignore_index=ignore_index, reduction=reduction,
+                            num_items_in_batch=num_items_in_batch, label_smoothing=label_smoothing, z_loss=z_loss,
+                            return_lse=return_lse)
+
+
+def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                     num_items_in_batch: int | torch.Tensor | None = None, label_smoothing: float = 0.0,
+                     z_loss: float = 0.0, return_lse: bool = False):
+    """The loss of ``reference_loss`` from already transformed logits ``z [N, V]``."""
+    t = target.reshape(-1)
     lse = torch.logsumexp(z, dim=-1)
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))

@@ -88,12 +88,29 @@ def test_features_match_float64_reference(dtype, opts, strategy):
     ref.backward()
     tl, tg = TOL.get(dtype, (1e-2, 1e-2))
     assert rel(loss, ref) <= tl and rel(lse, ref_lse) <= tl
-    for got, want in ((xs.grad, xr.grad), (ws.grad, wr.grad), (bs.grad, br.grad)):
-        assert torch.isfinite(got).all() and rel(got, want) <= tg
+    eager = _torch_eager_grads(x, w, b, t, opts) if dtype == torch.float16 else None
+    for i, (got, want) in enumerate(((xs.grad, xr.grad), (ws.grad, wr.grad), (bs.grad, br.grad))):
+        # float16: dlogits of a mean loss (p / N) fall below fp16's normal range (6e-5) for every
+        # implementation that keeps them in the input dtype (torch eager, Liger, this one). The bar is
+        # torch eager's own error at fp16 (materialised fp16 logits, fp32 softmax), or 1e-2.
+        bar = tg if eager is None else max(tg, 1.25 * rel(eager[i], want))
+        assert torch.isfinite(got).all() and rel(got, want) <= bar, (i, rel(got, want), bar)
     if dtype == torch.float32:
         from flce_dist.reference import reference_logits
         z = reference_logits(xr, wr, br, softcap=opts.get("softcap"), temperature=opts.get("temperature", 1.0))
         assert torch.equal(correct, (z.argmax(-1) == t) & (t != -100))
+
+
+def _torch_eager_grads(x, w, b, t, opts):
+    """(dX, dW, db) of torch eager at the inputs' dtype: materialised logits, loss in float32."""
+    from flce_dist.reference import loss_from_logits
+    xs, ws, bs = (a.clone().requires_grad_() for a in (x, w, b))
+    z = torch.nn.functional.linear(xs, ws, bs).reshape(-1, w.shape[0]).float() / opts.get("temperature", 1.0)
+    if opts.get("softcap"):
+        z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    kw = {k: v for k, v in opts.items() if k in ("label_smoothing", "z_loss", "num_items_in_batch")}
+    loss_from_logits(z, t, **kw).backward()
+    return xs.grad, ws.grad, bs.grad
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

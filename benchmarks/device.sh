@@ -22,8 +22,8 @@ for w in ${*:-tests bench}; do
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
     bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32.log" | tail -6 ;;
-    profile) timeout 150 python3 benchmarks/kernel_profile.py --out "$OUT" 2>&1 | flt | tee "$OUT/profile.log" | tail -24 ;;
-    train) for run in "2 flce" "1 flce" "1 torch"; do set -- $run
+    profile) timeout 150 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} --out "$OUT" 2>&1 | flt | tee "$OUT/profile.log" | tail -24 ;;
+    train) for run in ${TRAIN_RUNS:-2:flce 1:flce 1:torch}; do set -- ${run/:/ }
              NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
                --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \
                | tee "$OUT/train_$2_$1.log" | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"; done ;;

@@ -116,7 +116,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     kw = _grad_kw(p)
     handles = []
     sp = p.sequence_parallel
-    helion_logits = R.fused_logits_mode() == "helion"
+    helion_logits = R.fused_logits_mode() == "helion" and not R.cublas_logits(x)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device) if helion_logits else None
     for i in range(0, n, rows):
         xc, tc = x[i:i + rows], tl[i:i + rows]
@@ -257,9 +257,9 @@ class FLCEFunction(torch.autograd.Function):
             dw = dw if ctx.needs_input_grad[1] else None
             scaled = [t for t in (dx, dw) if t is not None and t.numel()]
             if scaled:
-                # one vectorised multi-tensor pass; a 0-d CUDA tensor operand in mul_ takes
-                # torch's broadcasting (non-vectorised) kernel: 1.5 ms vs ~0.6 ms at llama3 on the H200
-                torch._foreach_mul_(scaled, go)
+                # one vectorised multi-tensor pass (its fast route wants the scalar in the tensors'
+                # dtype); mul_ by a 0-d CUDA tensor takes torch's broadcasting kernel: 1.5 ms at llama3
+                torch._foreach_mul_(scaled, go.to(dx.dtype if dx is not None else dw.dtype))
             db = (db * go).to(ctx.w_dtype) if db is not None and ctx.needs_input_grad[2] else None
             return dx, dw, db, None, None, None, None
         x, w, b, tl, lse, valid, num_items = ctx.saved_tensors

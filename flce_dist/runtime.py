@@ -134,16 +134,33 @@ def _degenerate(*sizes: int) -> bool:
     return min(sizes) < 2
 
 
+def cublas_logits(x: torch.Tensor) -> bool:
+    """Inputs whose logits come from cuBLAS/torch matmuls (then ``chunk_stats``), not ``lse_forward``:
+    float64 (``hl.dot`` has none) and float32 on CUDA. Helion 1.4's float32 ``hl.dot`` at
+    ``dot_precision="ieee"`` ran 57x slower than cuBLAS on the H200 (benchmarks/NOTES.md, run 8),
+    and cuBLAS follows the caller's ``torch.backends.cuda.matmul.allow_tf32`` exactly as torch does.
+    (CPU float32 keeps the Helion kernel: reference mode is how CI covers it.)"""
+    return x.dtype == torch.float64 or (x.dtype == torch.float32 and x.device.type == "cuda")
+
+
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row ``[N, 4]`` float32 stats (shard lse, target logit, sum of logits, max logit); the logits are
     written to ``z_out`` [N, V] when given (the fused strategy), else never stored."""
-    if _degenerate(*x.shape, w.shape[0]) or x.dtype == torch.float64:
-        # size-1 dims (Helion 1.4 bug) and float64 (hl.dot has none): cuBLAS/torch logits + chunk_stats
-        z = torch.mm(x, w.T) if bias is None else torch.addmm(bias, x, w.T)
-        if z_out is not None:
-            z_out.copy_(z)
-        return chunk_stats(z, target_local, scale, softcap, with_sum)
+    if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x):
+        # size-1 dims (Helion 1.4 bug), float64 and CUDA float32: cuBLAS logits + chunk_stats,
+        # token chunk by token chunk when nothing asks for the logits (memory O(chunk))
+        def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            z = torch.mm(xc, w.T) if bias is None else torch.addmm(bias, xc, w.T)
+            if out is not None:
+                out.copy_(z)
+            return chunk_stats(z, tc, scale, softcap, with_sum)
+
+        n = x.shape[0]
+        rows = n if z_out is not None or n == 0 else chunk_rows(n, w.shape[0], x.element_size(), x.device)
+        if rows >= n:
+            return stats(x, target_local, z_out)
+        return torch.cat([stats(x[i:i + rows], target_local[i:i + rows], None) for i in range(0, n, rows)])
     b = bias if bias is not None else w.new_zeros(1)
     zo = z_out if z_out is not None else x.new_empty(1, 1)
     pmax, psum, ptgt, psumy = _launch(

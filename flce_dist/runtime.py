@@ -216,7 +216,8 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
 
     Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 384 MiB capped so
     that the caller's ``reserved_bytes`` (the dW/dX buffers held at the same time) plus the chunk
-    stay under ``TARGET_PEAK_BYTES`` (never below 64 MiB); else (CPU) 256 MiB. Measured on the
+    stay under ``TARGET_PEAK_BYTES``, unless that leaves under 128 MiB (then 384 MiB: the target is
+    out of reach, and small chunks cost time); else (CPU) 256 MiB. Measured on the
     H200 at llama3 (benchmarks/NOTES.md): 256 MiB chunks cost ~5% time against 1 GiB, 384 MiB ~2%.
     Rows are a multiple of 128 where the total allows.
 
@@ -228,7 +229,10 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
     elif os.environ.get("FLCE_CHUNK_MB"):
         budget = int(os.environ["FLCE_CHUNK_MB"]) << 20
     elif device.type == "cuda":
-        budget = max(64 << 20, min(384 << 20, TARGET_PEAK_BYTES - reserved_bytes))
+        room = TARGET_PEAK_BYTES - reserved_bytes
+        # where dW + dX alone nearly fill the target (float32 at llama3: 2.1 GiB) it is out of reach:
+        # keep full-size chunks (64 MiB chunks of 130 rows ran 1.6x the floor at fp32, run 8)
+        budget = min(384 << 20, room) if room >= 128 << 20 else 384 << 20
     else:
         budget = 256 << 20
     rows = max(1, budget // max(1, row_elems * elem_size))

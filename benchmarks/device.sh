@@ -18,7 +18,7 @@ for w in ${*:-tests bench}; do
     tests) timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
     tune) timeout 240 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;
     sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;
-    bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -22 ;;
+    bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -30 ;;
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
     bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32.log" | tail -6 ;;
@@ -29,6 +29,6 @@ for w in ${*:-tests bench}; do
                | tee "$OUT/train_$2_$1.log" | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"; done ;;
     tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error" | tail -20 ;;
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
-    tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -22 ;;
+    tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;
   esac
 done

@@ -231,7 +231,7 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
     elif device.type == "cuda":
         room = TARGET_PEAK_BYTES - reserved_bytes
         # where dW + dX alone nearly fill the target (float32 at llama3: 2.1 GiB) it is out of reach:
-        # keep full-size chunks (64 MiB chunks of 130 rows ran 1.6x the floor at fp32, run 8)
+        # keep full-size chunks (64 MiB chunks of 130 rows ran 1.6x the floor at fp32, run 9)
         budget = min(384 << 20, room) if room >= 128 << 20 else 384 << 20
     else:
         budget = 256 << 20

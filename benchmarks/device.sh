@@ -27,6 +27,7 @@ for w in ${*:-tests bench}; do
              NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
                --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \
                | tee "$OUT/train_$2_$1.log" | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"; done ;;
+    ds) DS_ACCELERATOR=cuda FLCE_DS_BACKEND=nccl timeout 300 torchrun --nproc_per_node="$ngpu" tests/test_integrations.py ds 1 2 3 2>&1 | flt | tee "$OUT/ds_nccl.log" | grep "ds stage\|FAIL\|Error" | tail -12 ;;
     tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error" | tail -20 ;;
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;

@@ -5,12 +5,14 @@ The multi-rank checks run this same file under torchrun (``python tests/test_int
 
     torchrun --nproc_per_node=2 tests/test_integrations.py hf   # apply(model, group) at TP=2 == TP=1
     DS_ACCELERATOR=cpu torchrun --nproc_per_node=4 tests/test_integrations.py ds 1 2 3
+    DS_ACCELERATOR=cuda FLCE_DS_BACKEND=nccl torchrun --nproc_per_node=2 tests/test_integrations.py ds 1 2 3   # GPUs
         # DeepSpeed AutoTP 2 x DP 2, ZeRO 1/2/3 with configs/deepspeed/zero*_autotp2.json:
         # flce_dist == DeepSpeed's "torch" vocab-parallel CE backend over three SGD steps
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -317,9 +319,11 @@ def _worker_ds(rank: int, world: int, stages: list[int]) -> int:
             if type(head).__name__ != expected or head.weight.shape[0] >= VOCAB:
                 failures.append(f"{name}: lm_head is {type(head).__name__} {tuple(head.weight.shape)}, not a {expected} shard")
             ids, labels = batch(seed=1 + engine.mpu.get_data_parallel_rank())  # the same within a TP group
+            ids, labels = ids.to(engine.device), labels.to(engine.device)
+            on_cpu = engine.device.type == "cpu"
             run = []
             for _ in range(3):  # three SGD steps: the later losses check the gradients end to end
-                with runtime.override(blocks=SMALL_BLOCKS):
+                with runtime.override(blocks=SMALL_BLOCKS) if on_cpu else contextlib.nullcontext():
                     out = engine(input_ids=ids, labels=labels)
                     if (how == "torch") != (out.logits is not None):
                         failures.append(f"{name} {how}: logits {'missing' if how == 'torch' else 'materialised'}")
@@ -357,8 +361,13 @@ def _main(argv: list[str]) -> int:
 
         from flce_dist.integrations.deepspeed import skip_cpu_shm_comm_build
 
-        skip_cpu_shm_comm_build()  # no ~60 s JIT build of DeepSpeed's CPU shared-memory op
-        deepspeed.init_distributed(dist_backend="gloo")
+        # FLCE_DS_BACKEND=nccl (with DS_ACCELERATOR=cuda): the same check on GPUs (benchmarks/device.sh ds)
+        backend = os.environ.get("FLCE_DS_BACKEND", "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        else:
+            skip_cpu_shm_comm_build()  # no ~60 s JIT build of DeepSpeed's CPU shared-memory op
+        deepspeed.init_distributed(dist_backend=backend)
         try:
             return _worker_ds(rank, world, [int(s) for s in argv[1:]])
         finally:

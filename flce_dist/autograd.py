@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import runtime as R
 from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
-                          reduce_scatter_rows, reduce_scatter_rows_deterministic)
+                          reduce_scatter_rows)
 from .params import FLCEParams
 
 
@@ -214,7 +214,7 @@ class FLCEFunction(torch.autograd.Function):
             g = row_weights(valid, p, num_items, _stat_dtype(x))
             stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
             if sp:
-                dx = (reduce_scatter_rows_deterministic if p.deterministic else reduce_scatter_rows)(dx, group)
+                dx = reduce_scatter_rows(dx, group, p.deterministic)
             pre = (dx, dw, db)
         else:
             stats = forward_stats(x, weight, bias, tl, p, group)
@@ -272,7 +272,7 @@ class FLCEFunction(torch.autograd.Function):
             g = g * grad_loss.to(g.dtype)
         dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, ctx.group)
         if ctx.sp:
-            dx = (reduce_scatter_rows_deterministic if p.deterministic else reduce_scatter_rows)(dx, ctx.group)
+            dx = reduce_scatter_rows(dx, ctx.group, p.deterministic)
         if db is not None:
             db = db.to(w.dtype)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,

@@ -75,17 +75,6 @@ def all_reduce_deterministic_(t: torch.Tensor, group: dist.ProcessGroup | None) 
     return t
 
 
-def reduce_scatter_rows_deterministic(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``reduce_scatter_rows`` with the sum taken locally in rank order (all-to-all + ordered sum)."""
-    p = group_size(group)
-    if p == 1:
-        return t
-    t = t.contiguous()
-    parts = torch.empty_like(t)
-    dist.all_to_all_single(parts, t, group=group)
-    return _ordered_sum(parts.view(p, t.shape[0] // p, *t.shape[1:])).to(t.dtype)
-
-
 def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate every rank's equal-sized ``t`` along dim 0 (rank order)."""
     p = group_size(group)
@@ -97,12 +86,17 @@ def all_gather_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return out
 
 
-def reduce_scatter_rows(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum ``t [P*n, ...]`` across ranks and keep this rank's ``[n, ...]`` slice."""
+def reduce_scatter_rows(t: torch.Tensor, group: dist.ProcessGroup | None, deterministic: bool = False) -> torch.Tensor:
+    """Sum ``t [P*n, ...]`` across ranks and keep this rank's ``[n, ...]`` slice.
+    ``deterministic``: the sum is taken locally in rank order (all-to-all + float32 sum, same bytes)."""
     p = group_size(group)
     if p == 1:
         return t
     t = t.contiguous()
+    if deterministic:
+        parts = torch.empty_like(t)
+        dist.all_to_all_single(parts, t, group=group)
+        return _ordered_sum(parts.view(p, t.shape[0] // p, *t.shape[1:])).to(t.dtype)
     out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _reduce_scatter_flat(out, t, group=group)
     return out

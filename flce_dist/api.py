@@ -8,11 +8,16 @@ import torch
 import torch.distributed as dist
 
 from .autograd import FLCEFunction
+from .compile_op import fused_lce
 from .distributed import group_size, resolve_shard
 from .distributed.shard import call_signature
 from .params import FLCEParams
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+# Eager: the autograd Function. Under torch.compile with sequence parallelism (whose gathers the
+# custom op does not cover) this stays a graph break: Helion launches and collectives run eagerly.
+_eager = torch.compiler.disable(FLCEFunction.apply)
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -21,7 +26,17 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-@torch.compiler.disable  # a graph break under torch.compile: Helion launches + collectives stay eager
+@torch.compiler.disable  # runs once per shape; its collective and host sync stay out of compiled graphs
+def _resolve(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
+             n_tokens: int, fields: tuple) -> tuple[int, int, str, int]:
+    """``(vocab_start, vocab_size, group name, group size)``: the shard checks of ``resolve_shard``
+    (with the call signature compared across ranks), and the group's name for the compiled op."""
+    size = group_size(group)
+    sig = call_signature(*fields) if size > 1 else 0
+    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, sig)
+    return start, vocab, group.group_name if size > 1 else "", size
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -119,12 +134,18 @@ def fused_linear_cross_entropy(
     x = hidden.reshape(-1, h)
     needs_grad = torch.is_grad_enabled() and any(
         t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
-    sig = call_signature(h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction,
-                         float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature),
-                         bool(sequence_parallel), strategy, num_items_in_batch is not None, bool(deterministic))
-    start, vocab = resolve_shard(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], sig)
+    fields = (h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction, float(label_smoothing),
+              float(z_loss), float(softcap or 0.0), float(temperature), bool(sequence_parallel), strategy,
+              num_items_in_batch is not None, bool(deterministic))
+    if group is None:  # no collective: stays inside a compiled graph
+        if vocab_start not in (None, 0):
+            raise ValueError(f"vocab_start must be 0 or None without a tensor-parallel group, got {vocab_start}")
+        start, vocab, group_name, tp = 0, weight.shape[0], "", 1
+    else:
+        start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields)
     t = target.reshape(-1).to(torch.int64)
-    if t.device.type == "cpu" and t.numel():
+    compiling = torch.compiler.is_compiling()
+    if t.device.type == "cpu" and t.numel() and not compiling:
         bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
@@ -137,10 +158,17 @@ def fused_linear_cross_entropy(
     params = FLCEParams(
         vocab_start=start, vocab_size=vocab, ignore_index=int(ignore_index), reduction=reduction,
         label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=float(softcap or 0.0),
-        temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and group_size(group) > 1,
+        temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and tp > 1,
         strategy=strategy, deterministic=bool(deterministic),
     )
-    loss, lse, correct = FLCEFunction.apply(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
+    if compiling and not params.sequence_parallel:
+        # under torch.compile: the custom op (compile_op.py), one graph, no break
+        loss, lse, correct, *_ = fused_lce(
+            x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, start, vocab, params.ignore_index,
+            reduction, params.label_smoothing, params.z_loss, params.softcap, params.temperature, strategy,
+            params.deterministic, needs_grad, group_name)
+    else:
+        loss, lse, correct = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     if check_finite and not bool(torch.isfinite(loss.detach()).all()):

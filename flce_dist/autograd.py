@@ -188,6 +188,82 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return out, dw, db
 
 
+def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                 num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool):
+    """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
+
+    Returns ``loss, lse, correct, pre, saved``: ``pre`` = (dX, dW, db) formed by the fused strategy
+    (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid), what the
+    recompute backward needs."""
+    sp = p.sequence_parallel and group_size(group) > 1
+    x = all_gather_rows(hidden, group) if sp else hidden
+    tgt = all_gather_rows(target, group) if sp else target
+    n_in = hidden.shape[0]
+    tl = local_targets(tgt, p, weight.shape[0])
+    valid = tgt != p.ignore_index
+    fused = needs_grad and p.reduction != "none" and p.strategy in ("auto", "fused")
+    pre = None
+    if fused:
+        g = row_weights(valid, p, num_items, _stat_dtype(x))
+        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
+        if sp:
+            dx = reduce_scatter_rows(dx, group, p.deterministic)
+        pre = (dx, dw, db)
+    else:
+        stats = forward_stats(x, weight, bias, tl, p, group)
+    loss_rows = token_loss(stats, valid, p)
+    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device
+    # assert, no host sync; the API raises instead where the check is free, on CPU).
+    bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
+    loss_rows = torch.where(bad, torch.full_like(loss_rows, float("nan")), loss_rows)
+    rank_slice = slice(0, n_in)
+    if sp:
+        r = dist.get_rank(group)
+        rank_slice = slice(r * n_in, (r + 1) * n_in)
+    if p.reduction == "none":
+        loss = loss_rows[rank_slice].to(hidden.dtype if hidden.dtype == torch.float64 else torch.float32)
+    else:
+        loss = reduce_loss(loss_rows, valid, p, num_items)
+    lse = stats[rank_slice, 0].clone()
+    # token accuracy: the target's logit is the row max over all shards (ties count as correct)
+    correct = (valid & (stats[:, 1] >= stats[:, 3]))[rank_slice]
+    return loss, lse, correct, pre, (x, tl, stats[:, 0].contiguous(), valid)
+
+
+def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,
+                      grad_loss: torch.Tensor, w_dtype: torch.dtype, inplace: bool = True):
+    """The fused strategy's backward: its dX, dW, db times grad_output (in place unless ``inplace=False``)."""
+    ref = dx if dx is not None else dw
+    go = grad_loss.to(torch.float64 if ref is not None and ref.dtype == torch.float64 else torch.float32)
+    scaled = [t for t in (dx, dw) if t is not None and t.numel()]
+    if scaled and inplace:
+        # one vectorised multi-tensor pass (its fast route wants the scalar in the tensors'
+        # dtype); mul_ by a 0-d CUDA tensor takes torch's broadcasting kernel: 1.5 ms at llama3
+        torch._foreach_mul_(scaled, go.to(scaled[0].dtype))
+    elif scaled:
+        dx, dw = (None if t is None else t * go.to(t.dtype) for t in (dx, dw))
+    db = (db * go).to(w_dtype) if db is not None else None
+    return dx, dw, db
+
+
+def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
+                    valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
+                    group: dist.ProcessGroup | None):
+    """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype)."""
+    sp = p.sequence_parallel and group_size(group) > 1
+    g = row_weights(valid, p, num_items, _stat_dtype(x))
+    if p.reduction == "none":
+        go = grad_loss.to(g.dtype)
+        go = all_gather_rows(go.contiguous(), group) if sp else go
+        g = g * go
+    else:
+        g = g * grad_loss.to(g.dtype)
+    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group)
+    if sp:
+        dx = reduce_scatter_rows(dx, group, p.deterministic)
+    return dx, dw, None if db is None else db.to(w.dtype)
+
+
 class FLCEFunction(torch.autograd.Function):
     """Vocab-parallel fused linear cross entropy.
 
@@ -200,80 +276,29 @@ class FLCEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, num_items, p: FLCEParams, group):
-        sp = p.sequence_parallel and group_size(group) > 1
-        x = all_gather_rows(hidden, group) if sp else hidden
-        tgt = all_gather_rows(target, group) if sp else target
-        n_in = hidden.shape[0]
-        v_local = weight.shape[0]
-        tl = local_targets(tgt, p, v_local)
-        valid = tgt != p.ignore_index
         needs_grad = any(ctx.needs_input_grad[:3])
-        fused = needs_grad and p.reduction != "none" and p.strategy in ("auto", "fused")
-        pre = None
-        if fused:
-            g = row_weights(valid, p, num_items, _stat_dtype(x))
-            stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
-            if sp:
-                dx = reduce_scatter_rows(dx, group, p.deterministic)
-            pre = (dx, dw, db)
-        else:
-            stats = forward_stats(x, weight, bias, tl, p, group)
+        loss, lse, correct, pre, (x, tl, lse_all, valid) = flce_forward(
+            hidden, weight, bias, target, num_items, p, group, needs_grad)
         if needs_grad:
             # inputs cost nothing to keep; they let a second backward (retain_graph, gradcheck)
             # of the fused strategy recompute, once its precomputed gradients were handed out
-            ctx.save_for_backward(x, weight, bias, tl, stats[:, 0].contiguous(), valid, num_items)
+            ctx.save_for_backward(x, weight, bias, tl, lse_all, valid, num_items)
         # Precomputed gradients live on ctx, not in saved_tensors: the backward drops ctx's
         # reference so that autograd can take dW without a copy (a copy would double its memory).
-        ctx.pre, ctx.p, ctx.group, ctx.sp, ctx.n_in = pre, p, group, sp, n_in
-        ctx.w_dtype = weight.dtype
-        loss_rows = token_loss(stats, valid, p)
-        # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device
-        # assert, no host sync; the API raises instead where the check is free, on CPU).
-        bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
-        loss_rows = torch.where(bad, torch.full_like(loss_rows, float("nan")), loss_rows)
-        rank_slice = slice(0, n_in)
-        if sp:
-            r = dist.get_rank(group)
-            rank_slice = slice(r * n_in, (r + 1) * n_in)
-        if p.reduction == "none":
-            loss = loss_rows[rank_slice].to(hidden.dtype if hidden.dtype == torch.float64 else torch.float32)
-        else:
-            loss = reduce_loss(loss_rows, valid, p, num_items)
-        lse = stats[rank_slice, 0].clone()
-        # token accuracy: the target's logit is the row max over all shards (ties count as correct)
-        correct = (valid & (stats[:, 1] >= stats[:, 3]))[rank_slice]
+        ctx.pre, ctx.p, ctx.group, ctx.w_dtype = pre, p, group, weight.dtype
         ctx.mark_non_differentiable(lse, correct)
         return loss, lse, correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_lse, _grad_correct):
-        p: FLCEParams = ctx.p
-        if ctx.pre is not None:
-            # fused strategy: gradients formed in the forward, scaled by grad_output in place
+        need = ctx.needs_input_grad
+        if ctx.pre is not None:  # fused strategy: gradients formed in the forward
             dx, dw, db = ctx.pre
             ctx.pre = None
-            go = grad_loss.to(torch.float64 if dx.dtype == torch.float64 else torch.float32)
-            dx = dx if ctx.needs_input_grad[0] else None
-            dw = dw if ctx.needs_input_grad[1] else None
-            scaled = [t for t in (dx, dw) if t is not None and t.numel()]
-            if scaled:
-                # one vectorised multi-tensor pass (its fast route wants the scalar in the tensors'
-                # dtype); mul_ by a 0-d CUDA tensor takes torch's broadcasting kernel: 1.5 ms at llama3
-                torch._foreach_mul_(scaled, go.to(dx.dtype if dx is not None else dw.dtype))
-            db = (db * go).to(ctx.w_dtype) if db is not None and ctx.needs_input_grad[2] else None
+            dx, dw, db = scale_precomputed(dx if need[0] else None, dw if need[1] else None,
+                                           db if need[2] else None, grad_loss, ctx.w_dtype)
             return dx, dw, db, None, None, None, None
         x, w, b, tl, lse, valid, num_items = ctx.saved_tensors
-        g = row_weights(valid, p, num_items, _stat_dtype(x))
-        if p.reduction == "none":
-            go = grad_loss.to(g.dtype)
-            go = all_gather_rows(go.contiguous(), ctx.group) if ctx.sp else go
-            g = g * go
-        else:
-            g = g * grad_loss.to(g.dtype)
-        dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, ctx.group)
-        if ctx.sp:
-            dx = reduce_scatter_rows(dx, ctx.group, p.deterministic)
-        if db is not None:
-            db = db.to(w.dtype)
-        return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
-                db if ctx.needs_input_grad[2] else None, None, None, None, None)
+        dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group)
+        return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
+                None, None, None, None)

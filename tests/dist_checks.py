@@ -149,6 +149,30 @@ def determinism(ck, dev, group, dtype):
             ck.close(f"{name}: loss", runs[0][0], ref, 1e-5 if dtype != torch.bfloat16 else 1e-2)
 
 
+def compiled(ck, dev, group, dtype):
+    """torch.compile of a step calling the loss with a group: the flce_dist::fused_lce op (one graph
+    break at the once-per-shape shard check) equals eager, both strategies."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(91)
+    n, h, v = 7 * p, 24, 10 * p + 3
+    x = torch.randn(n, h, generator=g).to(dev, dtype)
+    w = (torch.randn(v, h, generator=g) * h**-0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g).to(dev)
+    s, e = vocab_shard(v, r, p)
+    for reduction in ("mean", "none"):
+        def step(xx, ww):
+            return flce_dist.fused_linear_cross_entropy(torch.tanh(xx), ww, t, group=group, reduction=reduction)
+        outs = []
+        for fn in (torch.compile(step, backend="aot_eager"), step):
+            xs, ws = x.clone().requires_grad_(), w[s:e].to(dev).clone().requires_grad_()
+            loss = fn(xs, ws)
+            loss.sum().backward()
+            outs.append((loss.detach(), xs.grad, ws.grad))
+        name = f"P={p} {dtype} torch.compile {reduction}"
+        for what, a, b in zip(("loss", "dX", "dW shard"), *outs):
+            ck.close(f"{name}: {what} == eager", a, b, 1e-6 if dtype != torch.bfloat16 else 1e-2)
+
+
 def module_and_errors(ck, dev, group):
     p = dist.get_world_size(group)
     torch.manual_seed(123)
@@ -270,6 +294,7 @@ def main():
                      bias=False, sp=True, deterministic=True)
             for dtype in dtypes:
                 determinism(ck, dev, group, dtype)
+            compiled(ck, dev, group, dtypes[0])
             module_and_errors(ck, dev, group)
             if args.big and args.backend == "nccl":
                 big_memory(ck, dev, group)

@@ -47,8 +47,7 @@ def test_token_accuracy_leading_dims_and_order(small_tiles):
 
 
 def test_torch_compile_model_calling_the_loss(small_tiles):
-    """A compiled model that calls the loss runs and matches eager (the op is a documented graph
-    break: torch.compiler.disable around the kernel launch)."""
+    """A compiled model that calls the loss runs and matches eager."""
     x, w, t = _inputs(13)
     lin = torch.nn.Linear(70, 70)
 
@@ -67,3 +66,50 @@ def test_torch_compile_model_calling_the_loss(small_tiles):
     assert rel(wc.grad, we.grad) < 1e-5
     ref = reference_loss(torch.nn.functional.gelu(lin(x)).double(), w.double(), t)
     assert rel(lc, ref) < 1e-5
+
+
+@pytest.mark.parametrize("reduction,bias", [("mean", True), ("sum", False), ("none", True)])
+def test_torch_compile_fullgraph_custom_op(small_tiles, reduction, bias):
+    """Under torch.compile the loss is the flce_dist::fused_lce custom op: fullgraph=True (any graph
+    break raises), loss, lse, accuracy and every gradient equal eager, both strategies (fused for
+    mean/sum, recompute for "none" with a random grad_output)."""
+    x, w, t = _inputs(29)
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(w.shape[0], generator=g) if bias else None
+    go = torch.randn(t.shape, generator=g) if reduction == "none" else torch.tensor(1.7)
+    lin = torch.nn.Linear(70, 70)
+
+    def step(inp, weight, bb, target):
+        h = torch.nn.functional.gelu(lin(inp))
+        return flce_dist.fused_linear_cross_entropy(h, weight, target, bias=bb, reduction=reduction, label_smoothing=0.1,
+                                                    return_lse=True, return_token_accuracy=True)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    outs = []
+    for fn in (compiled, step):
+        ws = w.clone().requires_grad_()
+        bs = b.clone().requires_grad_() if bias else None
+        xs = x.clone().requires_grad_()
+        loss, lse, correct = fn(xs, ws, bs, t)
+        loss.backward(go)
+        outs.append((loss, lse, correct, xs.grad, ws.grad, bs.grad if bias else None))
+    (lc, sc, cc, *gc), (le, se, ce, *ge) = outs
+    assert rel(lc, le) < 1e-6 and rel(sc, se) < 1e-6 and torch.equal(cc, ce)
+    for a, e in zip(gc, ge):
+        assert (a is None and e is None) or rel(a, e) < 1e-5
+    ref = reference_loss(torch.nn.functional.gelu(lin(x)).double(), w.double(), t, bias=None if b is None else b.double(),
+                         reduction=reduction, label_smoothing=0.1)
+    assert rel(lc, ref) < 1e-5
+
+
+def test_custom_op_registration_opcheck(small_tiles):
+    """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree
+    with the real op."""
+    from flce_dist.compile_op import fused_lce
+
+    x, w, t = _inputs(11)
+    x.requires_grad_()
+    w.requires_grad_()
+    for reduction, strategy in (("mean", "fused"), ("none", "recompute")):
+        args = (x, w, None, t, None, 0, w.shape[0], -100, reduction, 0.0, 0.0, 0.0, 1.0, strategy, False, True, "")
+        torch.library.opcheck(fused_lce, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -16,8 +16,8 @@ The process group travels by name (``ProcessGroup.group_name``) since custom ops
 Both ops have fake implementations, so shapes propagate without running a kernel.
 """
 
-from __future__ import annotations
-
+# no ``from __future__ import annotations`` here: custom_op infers the op schema from the
+# annotations, and older torch releases do not evaluate string annotations
 from typing import Optional
 
 import torch
@@ -29,7 +29,7 @@ from .params import FLCEParams
 Tensor = torch.Tensor
 
 
-def _group(name: str) -> dist.ProcessGroup | None:
+def _group(name: str) -> Optional[dist.ProcessGroup]:
     if not name:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group

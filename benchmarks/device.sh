@@ -16,7 +16,7 @@ flt() { grep -v "DEBUG\|registered at"; }
 for w in ${*:-tests bench}; do
   case $w in
     tests) timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
-    tune) timeout 240 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;
+    tune) timeout 420 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;
     sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;
     bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -30 ;;
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;

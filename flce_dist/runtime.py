@@ -98,12 +98,16 @@ def dtype_class(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
 
 
-def entry(kernel: str, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    """The shipped entry for ``kernel`` on ``device`` at ``dtype`` (``default`` if none)."""
+def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = "") -> dict[str, Any]:
+    """The shipped entry for ``kernel`` on ``device`` at ``dtype`` (``default`` if none).
+    ``variant`` (e.g. ``"store"``: ``lse_forward`` writing the logits too) looks up
+    ``<kernel>_<variant>`` first and falls back to the kernel's own entries."""
     arch = arch_of(device)
     table = _load(arch).get(kernel, {})
+    special = _load(arch).get(f"{kernel}_{variant}", {}) if variant else {}
     fallback = (_CPU_DEFAULTS if arch == "cpu" else _DEFAULTS)[kernel]
-    e = table.get(dtype_class(dtype)) or table.get("default") or fallback
+    dc = dtype_class(dtype)
+    e = special.get(dc) or table.get(dc) or table.get("default") or fallback
     block = {**fallback["block"], **e.get("block", {}), **_OVR.blocks.get(kernel, {})}
     return {"block": block, "config": e.get("config", {})}
 
@@ -111,8 +115,9 @@ def entry(kernel: str, device: torch.device, dtype: torch.dtype) -> dict[str, An
 _CONFIGURED: set[int] = set()
 
 
-def _launch(kernel: helion.Kernel, name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype) -> Any:
-    e = entry(name, device, dtype)
+def _launch(kernel: helion.Kernel, name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype,
+            variant: str = "") -> Any:
+    e = entry(name, device, dtype, variant)
     block = e["block"]
     order = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"), "chunk_grad": ("block_n", "block_v")}[name]
     full = (*args, *(block[k] for k in order))
@@ -165,8 +170,8 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     zo = z_out if z_out is not None else x.new_empty(1, 1)
     pmax, psum, ptgt, psumy = _launch(
         K.lse_forward_partials, "lse_forward",
-        (x, w, b, target_local, zo, float(scale), float(softcap), bias is not None, z_out is not None, bool(with_sum)),
-        x.device, x.dtype,
+        (x, w, b, target_local, zo, float(scale), float(softcap), bool(bias is not None), z_out is not None, bool(with_sum)),
+        x.device, x.dtype, "store" if z_out is not None else "",
     )
     m = pmax.amax(0)
     lse = m + torch.log((psum * torch.exp(pmax - m)).sum(0))

@@ -113,3 +113,26 @@ def test_chunk_plan_on_cuda_depends_only_on_shapes():
     assert chunk_rows(8192, 151936, 2, cuda, reserved_bytes=reserved) == (TARGET_PEAK_BYTES - reserved) // (151936 * 2) // 128 * 128
     # fp32 llama3: dW alone exceeds the target -> full-size chunks, not 64 MiB slivers
     assert chunk_rows(4096, 128256, 4, cuda, reserved_bytes=(128256 + 4096) * 4096 * 4) == (384 << 20) // (128256 * 4) // 128 * 128
+
+
+def test_config_variant_entry_falls_back(tmp_path, monkeypatch):
+    """``lse_forward_store`` entries (the fused strategy's variant) win where present; otherwise the
+    kernel's own entry, then the built-in default."""
+    import json
+
+    from flce_dist.runtime import _CPU_DEFAULTS, entry
+
+    (tmp_path / "cpu.json").write_text(json.dumps({
+        "lse_forward": {"fp32": {"block": {"block_n": 64}}},
+        "lse_forward_store": {"fp32": {"block": {"block_n": 32}}, "fp16": {"block": {"block_v": 512}}},
+    }))
+    monkeypatch.setattr(runtime, "_CONFIG_DIR", tmp_path)
+    runtime._load.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert entry("lse_forward", cpu, torch.float32)["block"]["block_n"] == 64
+        assert entry("lse_forward", cpu, torch.float32, "store")["block"]["block_n"] == 32
+        assert entry("lse_forward", cpu, torch.float16, "store")["block"]["block_v"] == 512
+        assert entry("lse_forward", cpu, torch.float16)["block"] == _CPU_DEFAULTS["lse_forward"]["block"]
+    finally:
+        runtime._load.cache_clear()

@@ -10,7 +10,8 @@ Per shape, each rank holds its vocab shard (uneven split allowed) and the same N
   deepspeed   deepspeed.sequence.linear_cross_entropy.vocab_parallel_linear_cross_entropy (tp_group)
   floor       3 x the shard matmul + one dX all-reduce ([N, H] in bf16), each timed in this run
 Times are the max over ranks of the per-rank median (CUDA events); memory is the per-rank peak
-above the inputs. Writes ``bench_tp<P>.csv`` and prints a table.
+above the inputs. Writes ``bench_tp<P>.csv`` (``bench_tp<P>_n<N>.csv`` for N != 8192) and prints a
+table; ``benchmarks/scaling.py`` turns the CSVs of several P into the scaling efficiency.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def main():
         buf = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16)
         ar = time_ms(lambda: dist.all_reduce(buf), args.reps)
         floor = 3 * mm + ar
-        rows.append(dict(shape=name, impl="floor", P=p, fwd_bwd_ms=floor, ratio=1.0, mem_gib=0.0))
+        rows.append(dict(shape=name, impl="floor", P=p, N=args.n, fwd_bwd_ms=floor, ratio=1.0, mem_gib=0.0,
+                         mm_ms=mm, allreduce_ms=ar))
         fns = {
             "flce": lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group),
             "megatron": lambda: _MegatronVocabParallelCE.apply(_CopyToTP.apply(x, group) @ w.T, t, s, group).mean(),
@@ -161,11 +163,12 @@ def main():
             finally:
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
-            rows.append(dict(shape=name, impl=iname, P=p, fwd_bwd_ms=ms, ratio=ms / floor, mem_gib=mem))
+            rows.append(dict(shape=name, impl=iname, P=p, N=args.n, fwd_bwd_ms=ms, ratio=ms / floor, mem_gib=mem,
+                             mm_ms=mm, allreduce_ms=ar))
         del x, w, buf
         torch.cuda.empty_cache()
     if rank == 0:
-        write_csv(rows, f"bench_tp{p}.csv", [args.out] if args.out else [])
+        write_csv(rows, f"bench_tp{p}.csv" if args.n == 8192 else f"bench_tp{p}_n{args.n}.csv", [args.out] if args.out else [])
         print(f"\nTP={p} {torch.cuda.get_device_name()} bf16 N={args.n}  (floor = 3 x shard matmul + dX all-reduce)")
         print(f"{'shape':8} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'peak GiB/rank':>14}")
         for r in rows:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests tune sweep bench bench32 tp tpbench
+#   bash benchmarks/device.sh tests tune sweep bench bench32 tp tpbench profile train ds scaling
+# (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,6 +29,10 @@ for w in ${*:-tests bench}; do
                --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \
                | tee "$OUT/train_$2_$1.log" | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"; done ;;
     ds) DS_ACCELERATOR=cuda FLCE_DS_BACKEND=nccl timeout 300 torchrun --nproc_per_node="$ngpu" tests/test_integrations.py ds 1 2 3 2>&1 | flt | tee "$OUT/ds_nccl.log" | grep "ds stage\|FAIL\|Error" | tail -12 ;;
+    scaling) for n in ${SCALING_N:-8192}; do for p in 1 2 4 8; do [ "$p" -le "$ngpu" ] || continue
+               timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node=$p benchmarks/bench_tp.py --n $n --impls ${SCALING_IMPLS:-flce,megatron} \
+                 --out "$OUT" 2>&1 | flt | grep -v "^W1\|^I1" | tail -9; done; done | tee "$OUT/scaling_runs.log"
+             python3 benchmarks/scaling.py "$OUT" --out "$OUT" 2>&1 | tail -30 ;;
     tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error" | tail -20 ;;
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;

@@ -117,14 +117,15 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     handles = []
     sp = p.sequence_parallel
     helion_logits = R.fused_logits_mode() == "helion" and not R.cublas_logits(x)
-    zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device) if helion_logits else None
+    # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
+    zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
     for i in range(0, n, rows):
         xc, tc = x[i:i + rows], tl[i:i + rows]
+        z = zbuf[: xc.shape[0]]
         if helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
-            z = zbuf[: xc.shape[0]]
             local = R.lse_forward(xc, w, b, tc, p.logit_scale, p.softcap, p.needs_sum, z_out=z)
         else:  # cuBLAS logits, then one read of them for the statistics
-            z = _logits(xc, w, b)
+            torch.mm(xc, w.T, out=z) if b is None else torch.addmm(b, xc, w.T, out=z)
             local = R.chunk_stats(z, tc, p.logit_scale, p.softcap, p.needs_sum)
         st = combine_stats(local, group)
         stats[i:i + rows] = st

@@ -138,9 +138,7 @@ def fused_linear_cross_entropy(
               float(z_loss), float(softcap or 0.0), float(temperature), bool(sequence_parallel), strategy,
               num_items_in_batch is not None, bool(deterministic))
     if group is None:  # no collective: stays inside a compiled graph
-        if vocab_start not in (None, 0):
-            raise ValueError(f"vocab_start must be 0 or None without a tensor-parallel group, got {vocab_start}")
-        start, vocab, group_name, tp = 0, weight.shape[0], "", 1
+        (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device), "", 1
     else:
         start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields)
     t = target.reshape(-1).to(torch.int64)

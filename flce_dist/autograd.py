@@ -77,11 +77,12 @@ def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_item
     return total / denom.to(torch.float32).clamp(min=1)
 
 
-def _logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, w.T) if b is None else torch.addmm(b, x, w.T)
+def uses_fused(needs_grad: bool, reduction: str, strategy: str) -> bool:
+    """Whether a call takes the fused strategy (gradient formed in the forward)."""
+    return needs_grad and reduction != "none" and strategy in ("auto", "fused")
 
 
-def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+def stat_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -107,12 +108,12 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     # largest shard of an even split, ceil(V / P), not this rank's own size.
     v_plan = -(-p.vocab_size // group_size(group))
     rows = R.chunk_rows(n, v_plan, x.element_size(), x.device, reserved_bytes=(v_plan + n) * x.shape[1] * x.element_size())
-    stats = torch.empty(n, 4, dtype=_stat_dtype(x), device=x.device)
+    stats = torch.empty(n, 4, dtype=stat_dtype(x), device=x.device)
     dx = torch.empty_like(x)
     dw = torch.empty_like(w)  # the first chunk writes it (no zero fill), later chunks accumulate
     if n == 0:
         dw.zero_()
-    db = torch.zeros(v, dtype=_stat_dtype(x), device=x.device) if b is not None else None
+    db = torch.zeros(v, dtype=stat_dtype(x), device=x.device) if b is not None else None
     kw = _grad_kw(p)
     handles = []
     sp = p.sequence_parallel
@@ -125,7 +126,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         if helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
             local = R.lse_forward(xc, w, b, tc, p.logit_scale, p.softcap, p.needs_sum, z_out=z)
         else:  # cuBLAS logits, then one read of them for the statistics
-            torch.mm(xc, w.T, out=z) if b is None else torch.addmm(b, xc, w.T, out=z)
+            R.logits(xc, w, b, out=z)
             local = R.chunk_stats(z, tc, p.logit_scale, p.softcap, p.needs_sum)
         st = combine_stats(local, group)
         stats[i:i + rows] = st
@@ -157,7 +158,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     dx = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     dw = torch.empty_like(w)
-    db = torch.empty(v, dtype=_stat_dtype(x), device=x.device) if b is not None else None
+    db = torch.empty(v, dtype=stat_dtype(x), device=x.device) if b is not None else None
     kw = _grad_kw(p)
     handle = None
     out = dx
@@ -168,7 +169,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             db.zero_()
     for j in range(0, v, cols):
         wc = w[j:j + cols]
-        z = _logits(x, wc, None if b is None else b[j:j + cols])
+        z = R.logits(x, wc, None if b is None else b[j:j + cols])
         R.chunk_grad_(z, tl - j, lse, g, **kw)  # tl - j stays int32
         dx += torch.mm(z, wc)
         if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
@@ -202,10 +203,9 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     n_in = hidden.shape[0]
     tl = local_targets(tgt, p, weight.shape[0])
     valid = tgt != p.ignore_index
-    fused = needs_grad and p.reduction != "none" and p.strategy in ("auto", "fused")
     pre = None
-    if fused:
-        g = row_weights(valid, p, num_items, _stat_dtype(x))
+    if uses_fused(needs_grad, p.reduction, p.strategy):
+        g = row_weights(valid, p, num_items, stat_dtype(x))
         stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
         if sp:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
@@ -252,7 +252,7 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
                     group: dist.ProcessGroup | None):
     """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype)."""
     sp = p.sequence_parallel and group_size(group) > 1
-    g = row_weights(valid, p, num_items, _stat_dtype(x))
+    g = row_weights(valid, p, num_items, stat_dtype(x))
     if p.reduction == "none":
         go = grad_loss.to(g.dtype)
         go = all_gather_rows(go.contiguous(), group) if sp else go

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .autograd import flce_forward, local_targets, recompute_grads, scale_precomputed
+from .autograd import stat_dtype, flce_forward, local_targets, recompute_grads, scale_precomputed, uses_fused
 from .params import FLCEParams
 
 Tensor = torch.Tensor
@@ -44,14 +44,6 @@ def _params(vocab_start: int, vocab_size: int, ignore_index: int, reduction: str
                       sequence_parallel=False, strategy=strategy, deterministic=deterministic)
 
 
-def _fused(needs_grad: bool, reduction: str, strategy: str) -> bool:
-    return needs_grad and reduction != "none" and strategy in ("auto", "fused")
-
-
-def _stat(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 @torch.library.custom_op("flce_dist::fused_lce", mutates_args=())
 def fused_lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, num_items: Optional[Tensor],
               vocab_start: int, vocab_size: int, ignore_index: int, reduction: str, label_smoothing: float,
@@ -63,18 +55,18 @@ def fused_lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
     dx, dw, db = pre if pre is not None else (None, None, None)
     # outputs may not alias each other: a fresh empty tensor for each absent one
     return (loss, lse, correct, hidden.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw,
-            hidden.new_empty(0, dtype=_stat(hidden)) if db is None else db)
+            hidden.new_empty(0, dtype=stat_dtype(hidden)) if db is None else db)
 
 
 @fused_lce.register_fake
 def _(hidden, weight, bias, target, num_items, vocab_start, vocab_size, ignore_index, reduction, label_smoothing,
       z_loss, softcap, temperature, strategy, deterministic, needs_grad, group_name):
     n = hidden.shape[0]
-    sd = _stat(hidden)
+    sd = stat_dtype(hidden)
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=sd)
     lse = hidden.new_empty((n,), dtype=sd)
     correct = hidden.new_empty((n,), dtype=torch.bool)
-    if _fused(needs_grad, reduction, strategy):
+    if uses_fused(needs_grad, reduction, strategy):
         db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=sd)
         return loss, lse, correct, torch.empty_like(hidden), torch.empty_like(weight), db
     return loss, lse, correct, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0, dtype=sd)
@@ -108,7 +100,7 @@ def _setup_context(ctx, inputs, output):
     options = list(inputs[_OPTIONS])
     _, lse, _, dx, dw, db = output
     ctx.options = options[:10] + options[11:]  # fused_lce_backward's options: no needs_grad
-    ctx.fused = _fused(options[10], options[3], options[8])
+    ctx.fused = uses_fused(options[10], options[3], options[8])
     ctx.has_bias = bias is not None
     ctx.w_dtype = weight.dtype
     ctx.mark_non_differentiable(lse, output[2])

@@ -139,6 +139,11 @@ def _degenerate(*sizes: int) -> bool:
     return min(sizes) < 2
 
 
+def logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` by cuBLAS, into ``out`` when given."""
+    return torch.mm(x, w.T, out=out) if bias is None else torch.addmm(bias, x, w.T, out=out)
+
+
 def cublas_logits(x: torch.Tensor) -> bool:
     """Inputs whose logits come from cuBLAS/torch matmuls (then ``chunk_stats``), not ``lse_forward``:
     float64 (``hl.dot`` has none) and float32 on CUDA. Helion 1.4's float32 ``hl.dot`` at
@@ -156,10 +161,7 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
         # size-1 dims (Helion 1.4 bug), float64 and CUDA float32: cuBLAS logits + chunk_stats,
         # token chunk by token chunk when nothing asks for the logits (memory O(chunk))
         def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-            z = torch.mm(xc, w.T) if bias is None else torch.addmm(bias, xc, w.T)
-            if out is not None:
-                out.copy_(z)
-            return chunk_stats(z, tc, scale, softcap, with_sum)
+            return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum)
 
         n = x.shape[0]
         rows = n if z_out is not None or n == 0 else chunk_rows(n, w.shape[0], x.element_size(), x.device)

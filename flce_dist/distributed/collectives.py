@@ -67,9 +67,7 @@ def all_reduce_deterministic_(t: torch.Tensor, group: dist.ProcessGroup | None) 
     seg = -(-flat.numel() // p)
     padded = torch.zeros(p * seg, dtype=t.dtype, device=t.device)
     padded[: flat.numel()] = flat
-    parts = torch.empty_like(padded)
-    dist.all_to_all_single(parts, padded, group=group)
-    mine = _ordered_sum(parts.view(p, seg)).to(t.dtype)
+    mine = reduce_scatter_rows(padded, group, deterministic=True)  # this rank's 1/P, summed in rank order
     _all_gather_flat(padded, mine, group=group)
     t.copy_(padded[: flat.numel()].view_as(t))
     return t

@@ -113,14 +113,16 @@ def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = 
 
 
 _CONFIGURED: set[int] = set()
+# the kernels' trailing constexpr block-size arguments, in order
+BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"),
+               "chunk_grad": ("block_n", "block_v")}
 
 
 def _launch(kernel: helion.Kernel, name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype,
             variant: str = "") -> Any:
     e = entry(name, device, dtype, variant)
     block = e["block"]
-    order = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"), "chunk_grad": ("block_n", "block_v")}[name]
-    full = (*args, *(block[k] for k in order))
+    full = (*args, *(block[k] for k in BLOCK_ORDER[name]))
     bound = kernel.bind(full)
     if device.type == "cuda" and id(bound) not in _CONFIGURED:
         bound.set_config(helion.Config(**e["config"]))

@@ -56,12 +56,27 @@ def _run(kernel, args, cand, order):
     return lambda: bound(*full)
 
 
+def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
+    """(name, kernel, args without the block sizes, candidates, BLOCK_ORDER key, reference ms) per
+    searched kernel; the args match what runtime.py passes (int32 local targets)."""
+    rows, store_rows = z.shape[0], zs.shape[0]
+    return [
+        # (x, w, bias, target_local, z_out, scale, softcap, has_bias, store_logits, with_sum): as runtime.lse_forward
+        ("lse_forward", K.lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), 1.0, 0.0, False, False, False),
+         LSE_CANDIDATES, "lse_forward", mm),
+        ("lse_forward_store", K.lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False),
+         LSE_STORE_CANDIDATES, "lse_forward", smm),
+        ("chunk_stats", K.chunk_stats, (z, t[:rows], 1.0, 0.0, False), STATS_CANDIDATES, "chunk_stats", zmm),
+        ("chunk_grad", K.chunk_grad_, (z.clone(), t[:rows], lse, gw, 1.0, 0.0, 1.0, 0.0, 0.0), GRAD_CANDIDATES, "chunk_grad", zmm),
+    ]
+
+
 def search(n, h, v, dtype, rows=1024, store_rows=1536):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, h, device=dev, dtype=dtype, generator=g)
     w = torch.randn(v, h, device=dev, dtype=dtype, generator=g) * h**-0.5
-    t = torch.randint(0, v, (n,), device=dev, generator=g)
+    t = torch.randint(0, v, (n,), device=dev, generator=g).to(torch.int32)  # as runtime passes local targets
     mm = _time(lambda: x @ w.T)
     z = x[:rows] @ w.T
     zmm = _time(lambda: x[:rows] @ w.T)
@@ -71,14 +86,8 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536):
     smm = _time(lambda: x[:store_rows] @ w.T)
     print(f"cuBLAS x@W.T {mm:.3f} ms;  chunk [{rows}, {v}] matmul {zmm:.3f} ms;  [{store_rows}, {v}] {smm:.3f} ms")
     best, how = {}, {}
-    specs = [
-        ("lse_forward", K.lse_forward_partials, (x, w, w.new_zeros(1), t, 1.0, 0.0, False, False), LSE_CANDIDATES, ("block_n", "block_v", "block_h"), mm),
-        ("lse_forward_store", K.lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False),
-         LSE_STORE_CANDIDATES, ("block_n", "block_v", "block_h"), smm),
-        ("chunk_stats", K.chunk_stats, (z, t[:rows], 1.0, 0.0, False), STATS_CANDIDATES, ("block_n", "block_v"), zmm),
-        ("chunk_grad", K.chunk_grad_, (z.clone(), t[:rows], lse, gw, 1.0, 0.0, 1.0, 0.0, 0.0), GRAD_CANDIDATES, ("block_n", "block_v"), zmm),
-    ]
-    for name, kern, args, cands, order, ref in specs:
+    for name, kern, args, cands, kind, ref in specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
+        order = R.BLOCK_ORDER[kind]
         results = []
         for c in cands:
             try:
@@ -88,9 +97,12 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536):
                 continue
             results.append((ms, c))
             print(f"  {name:12} {ms:8.3f} ms  x{ms / ref:5.2f} of its matmul  {c}")
+        if not results:
+            print(f"  {name}: every candidate failed; its entry is left as it is")
+            continue
         ms, c = min(results, key=lambda r: r[0])
         best[name] = c
-        how[name] = (f"bounded search of {len(cands)} candidates, N={n} H={h} V={v} {dtype}, rows={rows}, "
+        how[name] = (f"bounded search of {len(cands)} candidates, N={n} H={h} V={v} {dtype}, rows={args[0].shape[0]}, "
                      f"{torch.cuda.get_device_name()}, {datetime.date.today()}: {ms:.3f} ms = {ms / ref:.2f}x its cuBLAS matmul")
     return best, how
 

@@ -136,3 +136,24 @@ def test_config_variant_entry_falls_back(tmp_path, monkeypatch):
         assert entry("lse_forward", cpu, torch.float16)["block"] == _CPU_DEFAULTS["lse_forward"]["block"]
     finally:
         runtime._load.cache_clear()
+
+
+def test_tune_specs_launch_the_kernels_as_runtime_does():
+    """``python -m flce_dist.tune`` (GPU only) binds each kernel with ``tune.specs``' argument tuples:
+    every spec must launch (reference mode here, one candidate's block sizes shrunk to force tiles),
+    so a kernel signature change cannot silently make every tuning candidate fail."""
+    from flce_dist import tune
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v, rows = 40, 48, 100, 24
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.2
+    t = torch.randint(0, v, (n,), generator=g).to(torch.int32)
+    z = x[:rows] @ w.T
+    lse = torch.logsumexp(z, 1)
+    for name, kern, args, cands, kind, _ in tune.specs(x, w, t, z, torch.empty(rows, v), lse, torch.rand(rows, generator=g),
+                                                      1.0, 1.0, 1.0):
+        assert cands, name
+        small = {k: 16 if k != "block_n" else 8 for k in runtime.BLOCK_ORDER[kind]}
+        if kind == "lse_forward":
+            small["block_n"] = 16  # hl.dot tiles are at least 16
+        kern(*args, *(small[k] for k in runtime.BLOCK_ORDER[kind]))

@@ -134,12 +134,12 @@ def fused_linear_cross_entropy(
     x = hidden.reshape(-1, h)
     needs_grad = torch.is_grad_enabled() and any(
         t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
-    fields = (h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction, float(label_smoothing),
-              float(z_loss), float(softcap or 0.0), float(temperature), bool(sequence_parallel), strategy,
-              num_items_in_batch is not None, bool(deterministic))
     if group is None:  # no collective: stays inside a compiled graph
         (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device), "", 1
-    else:
+    else:  # the call's fields, compared across ranks once per shape
+        fields = (h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction,
+                  float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature),
+                  bool(sequence_parallel), strategy, num_items_in_batch is not None, bool(deterministic))
         start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields)
     t = target.reshape(-1).to(torch.int64)
     compiling = torch.compiler.is_compiling()

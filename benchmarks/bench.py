@@ -4,8 +4,12 @@
     python benchmarks/bench.py [--shapes llama3,qwen3,gemma] [--n 8192] [--dtype bf16] [--out DIR]
 
 For each shape: forward+backward and forward-only (no grad) time (CUDA events, warm-up, median of
-``--reps``) and peak memory above the inputs (including the returned gradients), plus the ratio to
-the bare ``x @ W.T`` matmul timed in the same run. Writes ``bench_<dtype>.csv`` under
+``--reps``; each timed call starts on an idle GPU, so the host work before its first kernel counts),
+the steady-state forward+backward time (``steady_ms``: 5 calls back to back per sample, as in a
+training loop, where that host work overlaps the previous step), and peak memory above the inputs:
+``mem_gib`` includes the returned gradients, ``extra_gib`` = ``mem_gib`` minus the dX and dW every
+implementation must return, ``fwd_mem_gib`` is the forward-only (no grad) peak. Ratios are to the
+bare ``x @ W.T`` matmul timed in the same run. Writes ``bench_<dtype>.csv`` under
 ``benchmarks/results/`` (and ``--out``) and prints a table last.
 """
 
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist._timing import cuda_time_ms as time_ms, peak_gib, write_csv  # noqa: E402
+from flce_dist._timing import cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, write_csv  # noqa: E402
 
 SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -90,7 +94,9 @@ def main() -> None:
         w = (torch.randn(v, h, device=dev, dtype=dt, generator=g) * h**-0.5).requires_grad_()
         t = torch.randint(0, v, (args.n,), device=dev, generator=g)
         mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
-        rows.append(dict(shape=name, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0, ratio_f=1.0))
+        grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
+        rows.append(dict(shape=name, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0, ratio_f=1.0,
+                         steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0))
         for iname, fn in impls.items():
             def fb():
                 x.grad = w.grad = None
@@ -102,24 +108,29 @@ def main() -> None:
 
             try:
                 fb_ms = time_ms(fb, args.reps)
+                st_ms = cuda_steady_ms(fb, max(3, args.reps // 2))
                 mem = peak_gib(fb, x, w)
                 x.grad = w.grad = None
                 f_ms = time_ms(fo, args.reps)
+                f_mem = peak_gib(fo, x, w)
             except Exception as e:  # noqa: BLE001
                 print(f"{name}/{iname} failed: {type(e).__name__}: {str(e)[:300]}")
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
                 continue
             rows.append(dict(shape=name, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
-                             ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm))
+                             ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, steady_ms=st_ms,
+                             ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem))
             torch.cuda.empty_cache()
         del x, w, t
         torch.cuda.empty_cache()
     write_csv(rows, f"bench_{args.dtype}.csv", [args.out] if args.out else [])
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
-    print(f"{'shape':8} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'fwd ms':>8} {'x1mm':>6} {'peak GiB':>9}")
+    print(f"{'shape':8} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'steady':>8} {'x3mm':>6} {'fwd ms':>8} {'x1mm':>6}"
+          f" {'peak GiB':>9} {'extra':>6} {'fwd GiB':>8}")
     for r in rows:
-        print(f"{r['shape']:8} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f}")
+        print(f"{r['shape']:8} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['steady_ms']:8.2f} {r['ratio_steady']:6.2f}"
+              f" {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f} {r['extra_gib']:6.2f} {r['fwd_mem_gib']:8.2f}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests tune sweep bench bench32 tp tpbench profile train ds scaling
+#   bash benchmarks/device.sh tests tune tunestore sweep bench benchab bench32 tests32 profile train ds scaling tp tpquick tpbench
+# (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+if [ -d .whl ]; then  # once per machine (a second device.sh in the same call, e.g. on the other GPU, reuses it)
+  if [ ! -f /tmp/site/.flce_ok ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    touch /tmp/site/.flce_ok
+  fi
   export PYTHONPATH=/tmp/site:$PWD
 fi
 ngpu=$(nvidia-smi -L | wc -l)
@@ -17,13 +21,14 @@ flt() { grep -v "DEBUG\|registered at"; }
 for w in ${*:-tests bench}; do
   case $w in
     tests) timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
+    tunestore) timeout 360 python3 -m flce_dist.tune --only lse_forward_store --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_store.log" | tail -14; cp configs/helion/h200.json "$OUT/" ;;
     tune) timeout 420 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;
     sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;
     bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -30 ;;
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
-    bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32.log" | tail -6 ;;
-    profile) timeout 150 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} --out "$OUT" 2>&1 | flt | tee "$OUT/profile.log" | tail -24 ;;
+    bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32${FLCE_CHUNK_MB:+_$FLCE_CHUNK_MB}.log" | tail -6 ;;
+    profile) timeout 150 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | tee "$OUT/profile${PROFILE_TAG:-}.log" | tail -30 ;;
     train) for run in ${TRAIN_RUNS:-2:flce 1:flce 1:torch}; do set -- ${run/:/ }
              NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
                --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \

@@ -31,6 +31,25 @@ def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, before: C
     return statistics.median(ts)
 
 
+def cuda_steady_ms(fn: Callable[[], object], reps: int, calls: int = 5, warmup: int = 3) -> float:
+    """Steady-state ms per call: median over ``reps`` of the CUDA-event time of ``calls`` back-to-back
+    calls (no host sync between them) / ``calls``. Unlike :func:`cuda_time_ms`, the host work before a
+    call's first kernel overlaps the previous call's kernels, as in a training loop."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / calls)
+    return statistics.median(ts)
+
+
 def peak_gib(fn: Callable[[], object], *params: torch.Tensor) -> float:
     """Peak memory above the inputs during one call of ``fn``, INCLUDING the gradients it returns
     (the grads of ``params`` are cleared first, so they are not counted in the baseline)."""

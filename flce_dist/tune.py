@@ -1,6 +1,6 @@
 """Bounded config search for the Helion kernels (never a full autotune).
 
-    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--out configs/helion/h200.json]
+    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--only lse_forward_store] [--out configs/helion/h200.json]
 
 Times a short, hand-picked list of block sizes and ``helion.Config`` fields per kernel on
 representative inputs (random, never zeros; warm-up, median of CUDA-event timings), prints each
@@ -71,7 +71,7 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
     ]
 
 
-def search(n, h, v, dtype, rows=1024, store_rows=1536):
+def search(n, h, v, dtype, rows=1024, store_rows=1536, only=()):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, h, device=dev, dtype=dtype, generator=g)
@@ -87,6 +87,8 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536):
     print(f"cuBLAS x@W.T {mm:.3f} ms;  chunk [{rows}, {v}] matmul {zmm:.3f} ms;  [{store_rows}, {v}] {smm:.3f} ms")
     best, how = {}, {}
     for name, kern, args, cands, kind, ref in specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
+        if only and name not in only:
+            continue
         order = R.BLOCK_ORDER[kind]
         results = []
         for c in cands:
@@ -114,9 +116,10 @@ def main():
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--out", default=str(R._CONFIG_DIR / "h200.json"))
+    ap.add_argument("--only", default="", help="comma-separated kernel entries to search (default: all); the others keep their entries")
     args = ap.parse_args()
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    best, how = search(args.n, args.h, args.v, dt)
+    best, how = search(args.n, args.h, args.v, dt, only=tuple(filter(None, args.only.split(","))))
     path = Path(args.out)
     table = json.loads(path.read_text()) if path.is_file() else {}
     for name, c in best.items():

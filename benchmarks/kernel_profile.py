@@ -79,12 +79,12 @@ def main() -> None:
         per_class: dict[str, float] = defaultdict(float)
         per_kernel: dict[str, float] = defaultdict(float)
         for ev in prof.key_averages():
-            dt = getattr(ev, "device_time_total", None)
-            if dt is None:
-                dt = ev.cuda_time_total
-            if dt <= 0 or ev.key.startswith("ProfilerStep"):
+            dt_us = getattr(ev, "device_time_total", None)
+            if dt_us is None:
+                dt_us = ev.cuda_time_total
+            if dt_us <= 0 or ev.key.startswith("ProfilerStep"):
                 continue
-            ms = dt / 1e3 / args.iters
+            ms = dt_us / 1e3 / args.iters
             if ev.key in ("cudaDeviceSynchronize",) or ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             per_class[classify(ev.key)] += ms

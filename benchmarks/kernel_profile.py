@@ -14,8 +14,13 @@ is what a training loop sees. Writes ``profile_<mode>_<dtype>.csv``.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import re
+import statistics
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -49,6 +54,7 @@ def main() -> None:
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--mode", default="fb", choices=["fb", "fwd"])
+    ap.add_argument("--pyprof", action="store_true", help="also print a cProfile of the host side")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     rows, top = [], []
@@ -72,13 +78,33 @@ def main() -> None:
 
         wall = cuda_time_ms(fb, 10)
         steady = cuda_steady_ms(fb, 5)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        host = []  # host time to issue one call (no sync after it; a sync inside shows up here)
+        for _ in range(10):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fb()
+            host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        if args.pyprof:  # where the host time goes (Python functions, by own time)
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(5):
+                fb()
+            torch.cuda.synchronize()
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+            top.append(f"{shape:7} cProfile of 5 calls:\n" + "\n".join(buf.getvalue().splitlines()[6:24]))
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
                 fb()
             torch.cuda.synchronize()
         per_class: dict[str, float] = defaultdict(float)
         per_kernel: dict[str, float] = defaultdict(float)
+        runtime_calls = []
         for ev in prof.key_averages():
+            if ev.key.startswith("cuda") and ev.key != "cudaLaunchKernel" and ev.device_type == torch.autograd.DeviceType.CPU:
+                runtime_calls.append(f"{ev.key} x{ev.count / args.iters:g} {ev.cpu_time_total / 1e3 / args.iters:.3f} ms")
             dt_us = getattr(ev, "device_time_total", None)
             if dt_us is None:
                 dt_us = ev.cuda_time_total
@@ -91,6 +117,8 @@ def main() -> None:
             per_kernel[ev.key] += ms
         busy = sum(per_class.values())
         per_class["idle (wall - kernels)"] = max(0.0, wall - busy)
+        top.append(f"{shape:7} host ms to issue one call: {statistics.median(host):.3f}; CUDA runtime calls per call: "
+                   + ("; ".join(runtime_calls) or "none"))
         for label, ms in sorted(per_class.items(), key=lambda kv: -kv[1]):
             rows.append(dict(shape=shape, part=label, ms=ms, frac_of_floor=ms / (nmm * mm)))
         rows.append(dict(shape=shape, part=f"TOTAL wall ({args.mode})", ms=wall, frac_of_floor=wall / (nmm * mm)))

@@ -225,7 +225,7 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
 
     Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 384 MiB capped so
     that the caller's ``reserved_bytes`` (the dW/dX buffers held at the same time) plus the chunk
-    stay under ``TARGET_PEAK_BYTES``, unless that leaves under 128 MiB (then 384 MiB: the target is
+    stay under ``TARGET_PEAK_BYTES``, unless that leaves under 128 MiB (then 1 GiB: the target is
     out of reach, and small chunks cost time); else (CPU) 256 MiB. Measured on the
     H200 at llama3 (benchmarks/NOTES.md): 256 MiB chunks cost ~5% time against 1 GiB, 384 MiB ~2%.
     Rows are a multiple of 128 where the total allows.
@@ -240,8 +240,9 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
     elif device.type == "cuda":
         room = TARGET_PEAK_BYTES - reserved_bytes
         # where dW + dX alone nearly fill the target (float32 at llama3: 2.1 GiB) it is out of reach:
-        # keep full-size chunks (64 MiB chunks of 130 rows ran 1.6x the floor at fp32, run 9)
-        budget = min(384 << 20, room) if room >= 128 << 20 else 384 << 20
+        # take 1 GiB chunks (float32, llama3, N=4096, run 11: 384 MiB chunks 264.9 ms, 1 GiB 250.7 ms,
+        # 2 GiB 252.3 ms, torch 254 ms; 64 MiB chunks of 130 rows ran 1.6x the floor, run 9)
+        budget = min(384 << 20, room) if room >= 128 << 20 else 1 << 30
     else:
         budget = 256 << 20
     rows = max(1, budget // max(1, row_elems * elem_size))

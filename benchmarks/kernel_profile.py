@@ -125,6 +125,14 @@ def main() -> None:
         rows.append(dict(shape=shape, part="idle steady (back to back)", ms=max(0.0, steady - busy), frac_of_floor=max(0.0, steady - busy) / (nmm * mm)))
         rows.append(dict(shape=shape, part=f"TOTAL steady ({args.mode})", ms=steady, frac_of_floor=steady / (nmm * mm)))
         rows.append(dict(shape=shape, part=f"floor: {nmm} x bare matmul", ms=nmm * mm, frac_of_floor=1.0))
+        if args.mode == "fwd":  # the logits+stats kernel alone vs the matmul, both back to back (CUDA events, no profiler)
+            from flce_dist import runtime as R
+
+            xd, wd, tl = x.detach(), w.detach(), t.to(torch.int32)
+            mm_st = cuda_steady_ms(lambda: xd @ wd.T, 5)
+            k_st = cuda_steady_ms(lambda: R.lse_forward(xd, wd, None, tl, 1.0, 0.0, False), 5)
+            rows.append(dict(shape=shape, part="bare matmul, back to back", ms=mm_st, frac_of_floor=mm_st / mm))
+            rows.append(dict(shape=shape, part="runtime.lse_forward, b2b", ms=k_st, frac_of_floor=k_st / mm))
         for k, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
             top.append(f"{shape:7} {ms:8.3f} ms  {k[:110]}")
         del x, w, t

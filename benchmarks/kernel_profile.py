@@ -1,6 +1,7 @@
 """Where the fused loss spends its time: a kernel-level breakdown from ``torch.profiler``.
 
     python benchmarks/kernel_profile.py [--shapes llama3,gemma] [--n 8192] [--dtype bf16] [--mode fb|fwd] [--strategy auto] [--out DIR]
+    torchrun --nproc_per_node=2 benchmarks/kernel_profile.py ...   (vocab-parallel over NCCL; rank 0 reports)
 
 Per shape: the bare ``x @ W.T`` matmul (CUDA events, this run), then ``--iters`` profiled
 forward+backward calls of ``fused_linear_cross_entropy``. Kernels are grouped into classes
@@ -8,7 +9,8 @@ forward+backward calls of ``fused_linear_cross_entropy``. Kernels are grouped in
 fraction of the floor (3 matmuls for ``--mode fb``, 1 for ``--mode fwd``, the no-grad forward);
 "idle" is the wall time (CUDA events, each call from an idle GPU) not covered by any kernel, and
 "idle steady" the same with calls back to back (host work overlapping the previous call), which
-is what a training loop sees. Writes ``profile_<mode>_<dtype>.csv``.
+is what a training loop sees. Under torchrun each rank holds its ``flce_dist.vocab_shard`` and the floor adds one dX all-reduce ([N, H], timed in this run). Writes
+``profile_<mode>_<dtype>[_tp<P>].csv``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import re
 import statistics
@@ -25,6 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,6 +62,12 @@ def main() -> None:
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     rows, top = [], []
+    tp, rank, group = int(os.environ.get("WORLD_SIZE", "1")), 0, None
+    if tp > 1:
+        rank = int(os.environ["RANK"])
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl")
+        group = dist.group.WORLD
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     nmm = 3 if args.mode == "fb" else 1
     for shape in args.shapes.split(","):
@@ -66,15 +76,23 @@ def main() -> None:
         x = torch.randn(args.n, h, device="cuda", dtype=dt, generator=g).requires_grad_()
         w = (torch.randn(v, h, device="cuda", dtype=dt, generator=g) * h**-0.5).requires_grad_()
         t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
+        start, ar = 0, 0.0
+        if tp > 1:  # this rank's vocab rows; the floor gains one dX all-reduce
+            start, end = flce_dist.vocab_shard(v, rank, tp)
+            w = w.detach()[start:end].clone().requires_grad_()
+            buf = torch.randn(args.n, h, device="cuda", dtype=dt, generator=g)
+            ar = cuda_time_ms(lambda: dist.all_reduce(buf), 10, before=dist.barrier)
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, 10)
+        floor = nmm * mm + (ar if args.mode == "fb" else 0.0)
+        kw = dict(group=group, vocab_start=start) if tp > 1 else {}
 
         def fb():
             x.grad = w.grad = None
             if args.mode == "fwd":
                 with torch.no_grad():
-                    flce_dist.fused_linear_cross_entropy(x, w, t, strategy=args.strategy)
+                    flce_dist.fused_linear_cross_entropy(x, w, t, strategy=args.strategy, **kw)
             else:
-                flce_dist.fused_linear_cross_entropy(x, w, t, strategy=args.strategy).backward()
+                flce_dist.fused_linear_cross_entropy(x, w, t, strategy=args.strategy, **kw).backward()
 
         wall = cuda_time_ms(fb, 10)
         steady = cuda_steady_ms(fb, 5)
@@ -120,12 +138,14 @@ def main() -> None:
         top.append(f"{shape:7} host ms to issue one call: {statistics.median(host):.3f}; CUDA runtime calls per call: "
                    + ("; ".join(runtime_calls) or "none"))
         for label, ms in sorted(per_class.items(), key=lambda kv: -kv[1]):
-            rows.append(dict(shape=shape, part=label, ms=ms, frac_of_floor=ms / (nmm * mm)))
-        rows.append(dict(shape=shape, part=f"TOTAL wall ({args.mode})", ms=wall, frac_of_floor=wall / (nmm * mm)))
-        rows.append(dict(shape=shape, part="idle steady (back to back)", ms=max(0.0, steady - busy), frac_of_floor=max(0.0, steady - busy) / (nmm * mm)))
-        rows.append(dict(shape=shape, part=f"TOTAL steady ({args.mode})", ms=steady, frac_of_floor=steady / (nmm * mm)))
-        rows.append(dict(shape=shape, part=f"floor: {nmm} x bare matmul", ms=nmm * mm, frac_of_floor=1.0))
-        if args.mode == "fwd":  # the logits+stats kernel alone vs the matmul, both back to back (CUDA events, no profiler)
+            rows.append(dict(shape=shape, part=label, ms=ms, frac_of_floor=ms / floor))
+        rows.append(dict(shape=shape, part=f"TOTAL wall ({args.mode})", ms=wall, frac_of_floor=wall / floor))
+        rows.append(dict(shape=shape, part="idle steady (back to back)", ms=max(0.0, steady - busy), frac_of_floor=max(0.0, steady - busy) / floor))
+        rows.append(dict(shape=shape, part=f"TOTAL steady ({args.mode})", ms=steady, frac_of_floor=steady / floor))
+        if ar:
+            rows.append(dict(shape=shape, part="dX all-reduce (in the floor)", ms=ar, frac_of_floor=ar / floor))
+        rows.append(dict(shape=shape, part=f"floor: {nmm} x matmul{' + all-reduce' if ar else ''}", ms=floor, frac_of_floor=1.0))
+        if args.mode == "fwd" and tp == 1:  # the logits+stats kernel alone vs the matmul, both back to back (CUDA events, no profiler)
             from flce_dist import runtime as R
 
             xd, wd, tl = x.detach(), w.detach(), t.to(torch.int32)
@@ -137,13 +157,18 @@ def main() -> None:
             top.append(f"{shape:7} {ms:8.3f} ms  {k[:110]}")
         del x, w, t
         torch.cuda.empty_cache()
-    write_csv(rows, f"profile_{args.mode}_{args.dtype}.csv", [args.out] if args.out else [])
+    if rank:
+        dist.destroy_process_group()
+        return
+    write_csv(rows, f"profile_{args.mode}_{args.dtype}{f'_tp{tp}' if tp > 1 else ''}.csv", [args.out] if args.out else [])
     print("\ntop kernels per call:")
     print("\n".join(top))
-    print(f"\n{torch.cuda.get_device_name()} {args.dtype} N={args.n} mode={args.mode} strategy={args.strategy}: ms per call, and x the {nmm}-matmul floor")
+    print(f"\n{torch.cuda.get_device_name()} TP={tp} {args.dtype} N={args.n} mode={args.mode} strategy={args.strategy}: ms per call, and x the floor")
     print(f"{'shape':7} {'part':28} {'ms':>8} {'x floor':>8}")
     for r in rows:
         print(f"{r['shape']:7} {r['part']:28} {r['ms']:8.2f} {r['frac_of_floor']:8.3f}")
+    if tp > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

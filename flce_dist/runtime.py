@@ -98,16 +98,20 @@ def dtype_class(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
 
 
-def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = "") -> dict[str, Any]:
+def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = "", h: int | None = None) -> dict[str, Any]:
     """The shipped entry for ``kernel`` on ``device`` at ``dtype`` (``default`` if none).
     ``variant`` (e.g. ``"store"``: ``lse_forward`` writing the logits too) looks up
-    ``<kernel>_<variant>`` first and falls back to the kernel's own entries."""
+    ``<kernel>_<variant>`` first and falls back to the kernel's own entries. ``h`` (the hidden size,
+    for ``lse_forward``) selects a shape-class entry ``"<dtype>@h<h>"`` ahead of the dtype's own:
+    the K loop's length sets how much of each tile's time the softmax epilogue takes."""
     arch = arch_of(device)
     table = _load(arch).get(kernel, {})
     special = _load(arch).get(f"{kernel}_{variant}", {}) if variant else {}
     fallback = (_CPU_DEFAULTS if arch == "cpu" else _DEFAULTS)[kernel]
     dc = dtype_class(dtype)
-    e = special.get(dc) or table.get(dc) or table.get("default") or fallback
+    keys = ([f"{dc}@h{h}"] if h is not None else []) + [dc]
+    e = (next((special[k] for k in keys if k in special), None) or next((table[k] for k in keys if k in table), None)
+         or table.get("default") or fallback)
     block = {**fallback["block"], **e.get("block", {}), **_OVR.blocks.get(kernel, {})}
     return {"block": block, "config": e.get("config", {})}
 
@@ -119,8 +123,8 @@ BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": 
 
 
 def _launch(kernel: helion.Kernel, name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype,
-            variant: str = "") -> Any:
-    e = entry(name, device, dtype, variant)
+            variant: str = "", h: int | None = None) -> Any:
+    e = entry(name, device, dtype, variant, h)
     block = e["block"]
     full = (*args, *(block[k] for k in BLOCK_ORDER[name]))
     bound = kernel.bind(full)
@@ -175,7 +179,7 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     pmax, psum, ptgt, psumy = _launch(
         K.lse_forward_partials, "lse_forward",
         (x, w, b, target_local, zo, float(scale), float(softcap), bool(bias is not None), z_out is not None, bool(with_sum)),
-        x.device, x.dtype, "store" if z_out is not None else "",
+        x.device, x.dtype, "store" if z_out is not None else "", x.shape[1],
     )
     m = pmax.amax(0)
     lse = m + torch.log((psum * torch.exp(pmax - m)).sum(0))

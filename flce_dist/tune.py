@@ -1,6 +1,6 @@
 """Bounded config search for the Helion kernels (never a full autotune).
 
-    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--only lse_forward_store] [--out configs/helion/h200.json]
+    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--only lse_forward_store] [--shape-class] [--out configs/helion/h200.json]
 
 Times a short, hand-picked list of block sizes and ``helion.Config`` fields per kernel on
 representative inputs (random, never zeros; warm-up, median of CUDA-event timings), prints each
@@ -116,14 +116,17 @@ def main():
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--out", default=str(R._CONFIG_DIR / "h200.json"))
+    ap.add_argument("--shape-class", action="store_true",
+                    help="store the winners under '<dtype>@h<H>' (used for this hidden size only) instead of '<dtype>'")
     ap.add_argument("--only", default="", help="comma-separated kernel entries to search (default: all); the others keep their entries")
     args = ap.parse_args()
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     best, how = search(args.n, args.h, args.v, dt, only=tuple(filter(None, args.only.split(","))))
     path = Path(args.out)
     table = json.loads(path.read_text()) if path.is_file() else {}
+    key = f"{args.dtype}@h{args.h}" if args.shape_class else args.dtype
     for name, c in best.items():
-        table.setdefault(name, {})[args.dtype] = {**c, "how": how[name]}
+        table.setdefault(name, {})[key] = {**c, "how": how[name]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=2) + "\n")
     print(f"wrote {path}")

@@ -117,14 +117,16 @@ def test_chunk_plan_on_cuda_depends_only_on_shapes():
 
 def test_config_variant_entry_falls_back(tmp_path, monkeypatch):
     """``lse_forward_store`` entries (the fused strategy's variant) win where present; otherwise the
-    kernel's own entry, then the built-in default."""
+    kernel's own entry, then the built-in default; a ``<dtype>@h<H>`` shape class first in each."""
     import json
 
     from flce_dist.runtime import _CPU_DEFAULTS, entry
 
     (tmp_path / "cpu.json").write_text(json.dumps({
-        "lse_forward": {"fp32": {"block": {"block_n": 64}}},
-        "lse_forward_store": {"fp32": {"block": {"block_n": 32}}, "fp16": {"block": {"block_v": 512}}},
+        "lse_forward": {"fp32": {"block": {"block_n": 64}}, "fp32@h2304": {"block": {"block_n": 8}},
+                        "fp16@h2304": {"block": {"block_n": 8}}},
+        "lse_forward_store": {"fp32": {"block": {"block_n": 32}}, "fp16": {"block": {"block_v": 512}},
+                              "fp32@h2304": {"block": {"block_n": 16}}},
     }))
     monkeypatch.setattr(runtime, "_CONFIG_DIR", tmp_path)
     runtime._load.cache_clear()
@@ -134,6 +136,12 @@ def test_config_variant_entry_falls_back(tmp_path, monkeypatch):
         assert entry("lse_forward", cpu, torch.float32, "store")["block"]["block_n"] == 32
         assert entry("lse_forward", cpu, torch.float16, "store")["block"]["block_v"] == 512
         assert entry("lse_forward", cpu, torch.float16)["block"] == _CPU_DEFAULTS["lse_forward"]["block"]
+        # a shape-class entry for one hidden size wins over the dtype's own, for that size only
+        assert entry("lse_forward", cpu, torch.float32, "store", h=2304)["block"]["block_n"] == 16
+        assert entry("lse_forward", cpu, torch.float32, "store", h=4096)["block"]["block_n"] == 32
+        assert entry("lse_forward", cpu, torch.float32, h=2304)["block"]["block_n"] == 8
+        # the variant's dtype entry still comes before the kernel's own shape class
+        assert entry("lse_forward", cpu, torch.float16, "store", h=2304)["block"]["block_v"] == 512
     finally:
         runtime._load.cache_clear()
 

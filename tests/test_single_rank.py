@@ -126,9 +126,9 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
     launches = []
     orig = runtime._launch
 
-    def spy(kernel, name, args, device, dtype, variant=""):
-        launches.append((name, tuple(args[0].shape), runtime.entry(name, device, dtype, variant)["block"]))
-        return orig(kernel, name, args, device, dtype, variant)
+    def spy(kernel, name, args, device, dtype, variant="", h=None):
+        launches.append((name, tuple(args[0].shape), runtime.entry(name, device, dtype, variant, h)["block"]))
+        return orig(kernel, name, args, device, dtype, variant, h)
 
     monkeypatch.setattr(runtime, "_launch", spy)
     hidden, weight, _, target = make_inputs(_seed(request), n, h, v)

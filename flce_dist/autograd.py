@@ -105,9 +105,11 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     n, _ = x.shape
     v = w.shape[0]
     # Every rank must plan the same token chunks (one stats all-gather per chunk): plan with the
-    # largest shard of an even split, ceil(V / P), not this rank's own size.
-    v_plan = -(-p.vocab_size // group_size(group))
-    rows = R.chunk_rows(n, v_plan, x.element_size(), x.device, reserved_bytes=(v_plan + n) * x.shape[1] * x.element_size())
+    # largest shard of an even split, ceil(V / P), not this rank's own size, and 1/P of the budget.
+    # dX and dW are the returned gradients, so they are not charged to the budget.
+    tp = group_size(group)
+    v_plan = -(-p.vocab_size // tp)
+    rows = R.chunk_rows(n, v_plan, x.element_size(), x.device, share=tp)
     stats = torch.empty(n, 4, dtype=stat_dtype(x), device=x.device)
     dx = torch.empty_like(x)
     dw = torch.empty_like(w)  # the first chunk writes it (no zero fill), later chunks accumulate
@@ -154,8 +156,10 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks."""
     n, _ = x.shape
     v = w.shape[0]
-    cols = R.chunk_rows(v, n, x.element_size(), x.device, reserved_bytes=w.numel() * w.element_size() + x.numel() * 6)
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    # the float32 dX accumulator is the one buffer besides the chunk that is not a returned gradient
+    cols = R.chunk_rows(v, n, x.element_size(), x.device, reserved_bytes=x.numel() * (8 if x.dtype == torch.float64 else 4),
+                        share=group_size(group))
     dx = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     dw = torch.empty_like(w)
     db = torch.empty(v, dtype=stat_dtype(x), device=x.device) if b is not None else None

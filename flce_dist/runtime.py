@@ -221,18 +221,25 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
                    z.device, z.dtype)
 
 
-TARGET_PEAK_BYTES = int(1.45 * 2**30)  # the loss's own peak (gradients included) to stay under
+EXTRA_BYTES = 1 << 30  # the loss's own memory beyond its inputs and the gradients it returns (SPEC §5 bar)
+HEADROOM_BYTES = 64 << 20  # what lives beside the chunk: per-tile partials (32 MiB at llama3), stats, targets
 
 
-def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, reserved_bytes: int = 0) -> int:
-    """Rows per materialised logits chunk: the byte budget over the row size.
+def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, reserved_bytes: int = 0,
+               share: int = 1) -> int:
+    """Rows per materialised logits chunk: the byte budget over the row size, then balanced.
 
-    Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA 384 MiB capped so
-    that the caller's ``reserved_bytes`` (the dW/dX buffers held at the same time) plus the chunk
-    stay under ``TARGET_PEAK_BYTES``, unless that leaves under 128 MiB (then 1 GiB: the target is
-    out of reach, and small chunks cost time); else (CPU) 256 MiB. Measured on the
-    H200 at llama3 (benchmarks/NOTES.md): 256 MiB chunks cost ~5% time against 1 GiB, 384 MiB ~2%.
-    Rows are a multiple of 128 where the total allows.
+    Budget: ``override(chunk_bytes=...)``, else ``FLCE_CHUNK_MB``, else on CUDA
+    ``(EXTRA_BYTES - HEADROOM_BYTES) / share - reserved_bytes`` (at least 64 MiB), where
+    ``reserved_bytes`` are the caller's other buffers that are not returned gradients (the
+    recompute strategy's float32 dX accumulator) and ``share`` is the tensor-parallel size, so that
+    each rank holds 1/P of the single-GPU plan's memory; else (CPU) 256 MiB. Rows are a multiple of
+    128 where the total allows, and the chunks are balanced: ceil(total / rows) chunks of equal
+    size (no small tail chunk, whose matmuls run inefficiently).
+
+    Measured on the H200, bf16, N=8192 (benchmarks/NOTES.md, run 11): 384 MiB / 512 MiB / 1 GiB
+    chunks ran gemma at 1.35x / 1.26x / 1.14x three matmuls (llama3 1.13x / 1.09x / 1.08x): every
+    chunk re-reads and re-writes the whole dW, and a chunk of few rows gives cuBLAS thin matmuls.
 
     The result depends only on its arguments (no free-memory query): under tensor parallelism the
     fused strategy issues one collective per token chunk, so every rank must plan the same chunks.
@@ -242,14 +249,18 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
     elif os.environ.get("FLCE_CHUNK_MB"):
         budget = int(os.environ["FLCE_CHUNK_MB"]) << 20
     elif device.type == "cuda":
-        room = TARGET_PEAK_BYTES - reserved_bytes
-        # where dW + dX alone nearly fill the target (float32 at llama3: 2.1 GiB) it is out of reach:
-        # take 1 GiB chunks (float32, llama3, N=4096, run 11: 384 MiB chunks 264.9 ms, 1 GiB 250.7 ms,
-        # 2 GiB 252.3 ms, torch 254 ms; 64 MiB chunks of 130 rows ran 1.6x the floor, run 9)
-        budget = min(384 << 20, room) if room >= 128 << 20 else 1 << 30
+        budget = max(64 << 20, (EXTRA_BYTES - HEADROOM_BYTES) // max(1, share) - reserved_bytes)
     else:
         budget = 256 << 20
+    if total <= 0:
+        return 1
     rows = max(1, budget // max(1, row_elems * elem_size))
     if rows >= 256:
         rows = rows // 128 * 128
-    return min(total, rows) if total > 0 else 1
+    if rows >= total:
+        return total
+    chunks = -(-total // rows)
+    even = -(-total // chunks)
+    if rows >= 256:  # round up to a multiple of 128: still <= rows, and still `chunks` chunks
+        even = -(-even // 128) * 128
+    return even

@@ -52,7 +52,8 @@ def test_forward_only_matches(dtype):
 
 
 def test_peak_memory_is_o_chunk():
-    """llama3-sized shard at N=8192: peak extra memory must be far below the [N, V] logits."""
+    """llama3-sized shard at N=8192: peak memory beyond the inputs and the returned gradients must be
+    far below the [N, V] logits and within the SPEC's 1 GiB."""
     n, h, v = 8192, 4096, 128256
     x, w, t = _case(1, n, h, v, torch.bfloat16)
     x.requires_grad_()
@@ -66,7 +67,7 @@ def test_peak_memory_is_o_chunk():
     grads = x.numel() * 2 + w.numel() * 2
     logits = n * v * 2
     assert extra - grads < logits / 2, (extra, grads, logits)
-    assert extra < 1.5 * 2**30
+    assert extra - grads <= 2**30, (extra, grads)
 
 
 FEATURES = [dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=30.0), dict(temperature=0.7),

@@ -101,18 +101,35 @@ def test_property_matches_reference(n, h, v, dtype, ignore_frac, reduction, stra
 
 
 def test_chunk_plan_on_cuda_depends_only_on_shapes():
-    """The CUDA chunk budget (no GPU needed: it reads only the device type): 384 MiB, capped so
-    dW + dX + chunk stay under 1.45 GiB where >= 128 MiB of room is left, else 1 GiB."""
-    from flce_dist.runtime import TARGET_PEAK_BYTES, chunk_rows
+    """The CUDA chunk budget (no GPU needed: it reads only the device type): 1 GiB - 64 MiB of
+    headroom beyond the returned gradients, 1/P of it per rank, less the caller's reserved buffers;
+    rows a multiple of 128, chunks balanced."""
+    from flce_dist.runtime import EXTRA_BYTES, HEADROOM_BYTES, chunk_rows
 
     cuda = torch.device("cuda")
-    # bf16 llama3: plenty of room -> 384 MiB of 128256-wide bf16 rows, a multiple of 128
-    assert chunk_rows(8192, 128256, 2, cuda, reserved_bytes=(128256 + 8192) * 4096 * 2) == (384 << 20) // (128256 * 2) // 128 * 128
-    # bf16 qwen3: dW + dX = 1.22 GiB -> the chunk gets the rest of 1.45 GiB
-    reserved = (151936 + 8192) * 4096 * 2
-    assert chunk_rows(8192, 151936, 2, cuda, reserved_bytes=reserved) == (TARGET_PEAK_BYTES - reserved) // (151936 * 2) // 128 * 128
-    # fp32 llama3: dW alone exceeds the target -> 1 GiB chunks (2048 rows), not 64 MiB slivers
-    assert chunk_rows(4096, 128256, 4, cuda, reserved_bytes=(128256 + 4096) * 4096 * 4) == 2048
+    budget = EXTRA_BYTES - HEADROOM_BYTES
+    # bf16 llama3: 3840 rows fit -> 3 chunks of 8192 -> balanced 2731, rounded up to 2816
+    assert budget // (128256 * 2) // 128 * 128 == 3840
+    assert chunk_rows(8192, 128256, 2, cuda) == 2816
+    # TP=2: the same plan (half the row width, half the budget)
+    assert chunk_rows(8192, 64128, 2, cuda, share=2) == 2816
+    # gemma: 1792 rows fit -> 5 chunks -> 1639 -> 1664
+    assert chunk_rows(8192, 262208, 2, cuda) == 1664
+    # fp32 llama3 at N=4096: 1920 fit -> 3 chunks of 1366 -> 1408
+    assert chunk_rows(4096, 128256, 4, cuda) == 1408
+    # the recompute strategy's vocab chunks: the fp32 dX accumulator is charged to the budget
+    assert chunk_rows(128256, 8192, 2, cuda, reserved_bytes=8192 * 4096 * 4) == 42752
+    # everything fits: one chunk; a tiny budget: at least 64 MiB
+    assert chunk_rows(1000, 128256, 2, cuda) == 1000
+    assert chunk_rows(8192, 128256, 2, cuda, reserved_bytes=10 << 30) == (64 << 20) // (128256 * 2) // 128 * 128
+    for total in (1, 127, 300, 1000, 4097, 8192, 10000):
+        for budget_mb in (1, 3, 64):
+            fit = (budget_mb << 20) // 2000  # rows of 1000 bf16 elements in the budget
+            fit = fit // 128 * 128 if fit >= 256 else fit
+            with runtime.override(chunk_bytes=budget_mb << 20):
+                rows = chunk_rows(total, 1000, 2, cuda)
+            assert 1 <= rows <= min(total, fit), (total, budget_mb, rows)
+            assert -(-total // rows) == -(-total // min(total, fit)), (total, budget_mb, rows)  # no extra chunk
 
 
 def test_config_variant_entry_falls_back(tmp_path, monkeypatch):

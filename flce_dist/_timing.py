@@ -12,9 +12,11 @@ import torch
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
-def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, before: Callable[[], object] | None = None) -> float:
+def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, before: Callable[[], object] | None = None,
+                 calls: int = 1) -> float:
     """Median of ``reps`` CUDA-event timings of ``fn`` after ``warmup`` calls (``before`` runs
-    ahead of each timed call, outside the events, e.g. a barrier)."""
+    ahead of each timed call, outside the events, e.g. a barrier). With ``calls`` > 1 each sample
+    times that many back-to-back calls (no host sync between them) and divides by it."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -24,30 +26,19 @@ def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, before: C
         if before is not None:
             before()
         a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
-def cuda_steady_ms(fn: Callable[[], object], reps: int, calls: int = 5, warmup: int = 3) -> float:
-    """Steady-state ms per call: median over ``reps`` of the CUDA-event time of ``calls`` back-to-back
-    calls (no host sync between them) / ``calls``. Unlike :func:`cuda_time_ms`, the host work before a
-    call's first kernel overlaps the previous call's kernels, as in a training loop."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         for _ in range(calls):
             fn()
         b.record()
         b.synchronize()
         ts.append(a.elapsed_time(b) / calls)
     return statistics.median(ts)
+
+
+def cuda_steady_ms(fn: Callable[[], object], reps: int, calls: int = 5) -> float:
+    """Steady-state ms per call: ``calls`` back-to-back calls per sample. Unlike a single timed call
+    from an idle GPU, the host work before a call's first kernel overlaps the previous call's
+    kernels, as in a training loop."""
+    return cuda_time_ms(fn, reps, calls=calls)
 
 
 def peak_gib(fn: Callable[[], object], *params: torch.Tensor) -> float:

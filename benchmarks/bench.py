@@ -131,6 +131,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:8} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['steady_ms']:8.2f} {r['ratio_steady']:6.2f}"
               f" {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f} {r['extra_gib']:6.2f} {r['fwd_mem_gib']:8.2f}")
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the one-rank group DeepSpeed's function needed
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -7,11 +7,21 @@ Importing this package on a machine without CUDA switches Helion to its referenc
 from __future__ import annotations
 
 import os
+import warnings
 
+import helion
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("HELION_INTERPRET", "1")
+
+# Helion 1.4 on torch < 2.13 (no ``is_symm_mem_tensor``) treats every kernel compiled inside an
+# initialised process group as a symmetric-memory kernel: it then warns that no process-group
+# argument was found and that its autotuner's SM multiplier is capped. These kernels use no
+# symmetric memory, take shipped configs and never autotune, so both messages are noise
+# (they printed once per kernel and rank in every TP run on the H200).
+SETTINGS = dict(ignore_warnings=[helion.exc.ProcessGroupNameNotFound])
+warnings.filterwarnings("ignore", message="max_num_sm_multipler is reduced", category=UserWarning)
 
 from .._cpu import register_cpu_mm_dtype  # noqa: E402
 

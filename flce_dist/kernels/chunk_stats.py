@@ -23,8 +23,10 @@ import helion
 import helion.language as hl
 import torch
 
+from . import SETTINGS
 
-@helion.kernel(static_shapes=False)
+
+@helion.kernel(static_shapes=False, **SETTINGS)
 def chunk_stats(
     z: torch.Tensor,
     target_local: torch.Tensor,

@@ -31,8 +31,10 @@ import helion
 import helion.language as hl
 import torch
 
+from . import SETTINGS
 
-@helion.kernel(static_shapes=True, dot_precision="ieee")
+
+@helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
 def lse_forward_partials(
     x: torch.Tensor,
     w: torch.Tensor,

@@ -24,10 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist._timing import cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, write_csv  # noqa: E402
-
-SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
-DT = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, write_csv  # noqa: E402
 
 
 def _impls():
@@ -76,12 +73,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama3,qwen3,gemma")
     ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--dtype", default="bf16", choices=list(DT))
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--impls", default="")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    dt = DT[args.dtype]
+    dt = DTYPES[args.dtype]
     impls = _impls()
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}

@@ -27,10 +27,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
-from flce_dist._timing import cuda_time_ms, write_csv  # noqa: E402
+from flce_dist._timing import SHAPES, cuda_time_ms, write_csv  # noqa: E402
 from flce_dist._timing import peak_gib as _peak_gib  # noqa: E402
 
-SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -33,9 +33,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist._timing import cuda_steady_ms, cuda_time_ms, write_csv  # noqa: E402
+from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms, write_csv  # noqa: E402
 
-SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
 CLASSES = [("matmul (cuBLAS)", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_", re.I)),
            ("lse_forward (Helion)", re.compile(r"lse_forward", re.I)),
            ("chunk_grad (Helion)", re.compile(r"chunk_grad", re.I)),
@@ -56,7 +55,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--strategy", default="auto")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--mode", default="fb", choices=["fb", "fwd"])
     ap.add_argument("--pyprof", action="store_true", help="also print a cProfile of the host side")
     ap.add_argument("--out", default="")
@@ -68,7 +67,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         dist.init_process_group("nccl")
         group = dist.group.WORLD
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dt = DTYPES[args.dtype]
     nmm = 3 if args.mode == "fb" else 1
     for shape in args.shapes.split(","):
         h, v = SHAPES[shape]
@@ -110,9 +109,9 @@ def main() -> None:
                 fb()
             torch.cuda.synchronize()
             pr.disable()
-            buf = io.StringIO()
-            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
-            top.append(f"{shape:7} cProfile of 5 calls:\n" + "\n".join(buf.getvalue().splitlines()[6:24]))
+            text = io.StringIO()
+            pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(14)
+            top.append(f"{shape:7} cProfile of 5 calls:\n" + "\n".join(text.getvalue().splitlines()[6:24]))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
                 fb()
@@ -157,16 +156,14 @@ def main() -> None:
             top.append(f"{shape:7} {ms:8.3f} ms  {k[:110]}")
         del x, w, t
         torch.cuda.empty_cache()
-    if rank:
-        dist.destroy_process_group()
-        return
-    write_csv(rows, f"profile_{args.mode}_{args.dtype}{f'_tp{tp}' if tp > 1 else ''}.csv", [args.out] if args.out else [])
-    print("\ntop kernels per call:")
-    print("\n".join(top))
-    print(f"\n{torch.cuda.get_device_name()} TP={tp} {args.dtype} N={args.n} mode={args.mode} strategy={args.strategy}: ms per call, and x the floor")
-    print(f"{'shape':7} {'part':28} {'ms':>8} {'x floor':>8}")
-    for r in rows:
-        print(f"{r['shape']:7} {r['part']:28} {r['ms']:8.2f} {r['frac_of_floor']:8.3f}")
+    if rank == 0:
+        write_csv(rows, f"profile_{args.mode}_{args.dtype}{f'_tp{tp}' if tp > 1 else ''}.csv", [args.out] if args.out else [])
+        print("\ntop kernels per call:")
+        print("\n".join(top))
+        print(f"\n{torch.cuda.get_device_name()} TP={tp} {args.dtype} N={args.n} mode={args.mode} strategy={args.strategy}: ms per call, and x the floor")
+        print(f"{'shape':7} {'part':28} {'ms':>8} {'x floor':>8}")
+        for r in rows:
+            print(f"{r['shape']:7} {r['part']:28} {r['ms']:8.2f} {r['frac_of_floor']:8.3f}")
     if tp > 1:
         dist.destroy_process_group()
 

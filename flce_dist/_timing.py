@@ -10,6 +10,9 @@ from typing import Callable, Iterable
 import torch
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# the SPEC's benchmark shapes (H, V) and the dtypes the benchmarks and the tuner take by name
+SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, before: Callable[[], object] | None = None,

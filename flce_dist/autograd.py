@@ -158,7 +158,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     v = w.shape[0]
     acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     # the float32 dX accumulator is the one buffer besides the chunk that is not a returned gradient
-    cols = R.chunk_rows(v, n, x.element_size(), x.device, reserved_bytes=x.numel() * (8 if x.dtype == torch.float64 else 4),
+    cols = R.chunk_rows(v, n, x.element_size(), x.device, reserved_bytes=x.numel() * acc_dtype.itemsize,
                         share=group_size(group))
     dx = torch.zeros(x.shape, dtype=acc_dtype, device=x.device)
     dw = torch.empty_like(w)

@@ -20,7 +20,7 @@ import helion
 import torch
 
 from . import kernels as K
-from ._timing import cuda_time_ms
+from ._timing import DTYPES, cuda_time_ms
 from . import runtime as R
 
 LSE_CANDIDATES = [
@@ -114,13 +114,13 @@ def main():
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--v", type=int, default=128256)
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--out", default=str(R._CONFIG_DIR / "h200.json"))
     ap.add_argument("--shape-class", action="store_true",
                     help="store the winners under '<dtype>@h<H>' (used for this hidden size only) instead of '<dtype>'")
     ap.add_argument("--only", default="", help="comma-separated kernel entries to search (default: all); the others keep their entries")
     args = ap.parse_args()
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dt = DTYPES[args.dtype]
     best, how = search(args.n, args.h, args.v, dt, only=tuple(filter(None, args.only.split(","))))
     path = Path(args.out)
     table = json.loads(path.read_text()) if path.is_file() else {}

@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
+from flce_dist._timing import DTYPES  # noqa: E402
 
 log = logging.getLogger("flce_dist.demo")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEFAULTS = {"cuda": dict(n=8192, h=4096, v=128256, dtype="bf16"), "cpu": dict(n=512, h=512, v=32000, dtype="fp32")}
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1e-2), torch.float16: (1e-2, 1e-2)}
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import group_size, resolve_shard
+from .distributed.dtensor import is_dtensor, unwrap
 from .distributed.shard import call_signature
 from .params import FLCEParams
 
@@ -89,6 +90,11 @@ def fused_linear_cross_entropy(
     hidden = _check_tensor("hidden", hidden)
     weight = _check_tensor("weight", weight)
     target = _check_tensor("target", target)
+    dt = None  # DTensor inputs: run on the local tensors (distributed/dtensor.py)
+    if any(is_dtensor(t_) for t_ in (hidden, weight, bias, target)):
+        dt = unwrap(hidden, weight, target, bias, group, vocab_start, sequence_parallel, ignore_index)
+        hidden, weight, bias, target, group = dt.hidden, dt.weight, dt.bias, dt.target, dt.group
+        sequence_parallel = dt.sequence_parallel
     if hidden.dtype not in _FLOATS:
         raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
     if hidden.dim() < 1:
@@ -141,6 +147,9 @@ def fused_linear_cross_entropy(
                   float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature),
                   bool(sequence_parallel), strategy, num_items_in_batch is not None, bool(deterministic))
         start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields)
+    if dt is not None and vocab != dt.vocab_size:
+        raise ValueError(f"weight is a DTensor of {dt.vocab_size} vocab rows but its shards along the mesh hold "
+                         f"{vocab} rows in all: its local tensors do not match its global shape")
     t = target.reshape(-1).to(torch.int64)
     compiling = torch.compiler.is_compiling()
     if t.device.type == "cpu" and t.numel() and not compiling:
@@ -159,7 +168,7 @@ def fused_linear_cross_entropy(
         temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and tp > 1,
         strategy=strategy, deterministic=bool(deterministic),
     )
-    if compiling and not params.sequence_parallel:
+    if compiling and not params.sequence_parallel and dt is None:
         # under torch.compile: the custom op (compile_op.py), one graph, no break
         loss, lse, correct, *_ = fused_lce(
             x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, start, vocab, params.ignore_index,
@@ -174,4 +183,7 @@ def fused_linear_cross_entropy(
             "fused_linear_cross_entropy: the loss is not finite (NaN/inf in hidden, weight or bias, "
             "or a target outside [0, V) on the GPU)")
     extras = ([lse.reshape(target.shape)] if return_lse else []) + ([correct.reshape(target.shape)] if return_token_accuracy else [])
+    if dt is not None:  # per-token outputs placed like hidden's leading dims; a scalar loss stays plain
+        loss = dt.wrap_tokens(loss) if reduction == "none" else loss
+        extras = [dt.wrap_tokens(e) for e in extras]
     return (loss, *extras) if extras else loss

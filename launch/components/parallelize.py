@@ -1,0 +1,119 @@
+"""The (dp, tp) device mesh, tensor/sequence parallelism of the whole Llama, FSDP2 over dp, and
+the global gradient-norm clip. Follows torchtitan's llama ``parallelize`` (``apply_tp`` then
+``apply_fsdp``), adapted to the Hugging Face module names and call conventions:
+
+- ``embed_tokens``: ``RowwiseParallel`` (vocab-sharded ``Shard(0)`` table; output ``Shard(1)``
+  under sp, else ``Replicate()``). Under sp the output stays a DTensor (``use_local_output=False``)
+  so that ``LlamaModel.forward`` sees the global sequence length for its causal mask (the positions
+  are passed explicitly by ``CausalLM``).
+- per decoder layer: ``q/k/v_proj``, ``gate/up_proj`` ``ColwiseParallel``, ``o_proj``/``down_proj``
+  ``RowwiseParallel`` (output ``Shard(1)`` under sp); HF's attention reshapes to ``(-1, head_dim)``,
+  so it finds its local heads itself. Under sp: ``input_layernorm``/``post_attention_layernorm``
+  ``SequenceParallel``, and ``PrepareModuleInput`` all-gathers the sequence before attention (which
+  HF calls with keyword arguments: ``input_kwarg_layouts={"hidden_states": Shard(1)}``) and the MLP.
+- final ``norm``: ``SequenceParallel`` under sp (its output, a ``Shard(1)`` DTensor, is the head's
+  hidden); ``lm_head``: ``ColwiseParallel`` (weight ``Shard(0)``; the torch head gets DTensor logits
+  ``Shard(-1)``; the flce head never calls ``lm_head.forward``, only its weight is used).
+- tied embeddings: after the plan, ``lm_head.weight`` is set to the embedding's ``Shard(0)``
+  Parameter again (both plans shard dim 0 with the same split).
+- FSDP2: ``fully_shard(layer, mesh=mesh["dp"])`` per decoder layer, then the root ``CausalLM``
+  (whose forward computes the loss, so the root's unshard covers embed, final norm and lm_head),
+  when dp > 1. FSDP2 runs on CPU/gloo in torch 2.13 (checked: forward, backward, reduce-scatter),
+  so no stand-in is needed."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def build_mesh(device_type: str, dp: int, tp: int) -> DeviceMesh:
+    """The 2-D ``("dp", "tp")`` mesh over the default process group (tp ranks are consecutive)."""
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
+    """Tensor (and, with ``sp``, sequence) parallelism of the whole model over ``tp_mesh``."""
+    body = model.model
+    parallelize_module(body, tp_mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(),
+                                        use_local_output=not sp),
+        **({"norm": SequenceParallel()} if sp else {}),
+    })
+    rowwise_out = Shard(1) if sp else Replicate()
+    for layer in body.layers:
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=rowwise_out, use_local_output=not sp),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=rowwise_out, use_local_output=not sp),
+        }
+        if sp:
+            plan.update({
+                "input_layernorm": SequenceParallel(),
+                "post_attention_layernorm": SequenceParallel(),
+                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(layer, tp_mesh, plan)
+    tied = model.lm_head.weight is body.embed_tokens.weight or getattr(model.config, "tie_word_embeddings", False)
+    # the flce head only needs the Shard(0) weight; the torch head also gets DTensor logits Shard(-1)
+    parallelize_module(model.lm_head, tp_mesh, ColwiseParallel(
+        input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False))
+    if tied:
+        model.lm_head.weight = body.embed_tokens.weight
+    model.tp_mesh, model.sp = tp_mesh, sp
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> None:
+    """FSDP2 over the dp mesh: each decoder layer, then the root (embed, final norm, lm_head)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Module:
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"], sp)
+    if mesh["dp"].size() > 1:
+        apply_fsdp(model, mesh["dp"])
+    return model
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+    """The global gradient norm of the whole model (DTensor gradients count each element once:
+    ``get_total_norm`` per kind of gradient, ``.full_tensor()`` of that scalar only, as torchtitan
+    does), and, with ``max_norm > 0``, ``clip_grads_with_norm_`` by it. Plain and DTensor gradients
+    (and DTensors on different meshes) are normed separately: foreach kernels refuse to mix them."""
+    kinds: dict[str, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            key = f"{p.grad.device_mesh.mesh_dim_names}:{p.grad.placements}" if isinstance(p.grad, DTensor) else "plain"
+            kinds.setdefault(key, []).append(p)
+    sq = []
+    for ps in kinds.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
+        sq.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
+    if not sq:
+        return 0.0
+    total = torch.stack(sq).sum().sqrt()
+    if max_norm > 0:
+        for ps in kinds.values():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+    return float(total)

@@ -4,9 +4,9 @@ wrapped in ``CausalLM``, whose ``forward(ids)`` returns the mean next-token loss
 root hooks cover the lm_head weight, which the flce head uses outside ``lm_head.forward``).
 
 Heads (``model.head``):
-- ``flce``: ``flce_dist.fused_linear_cross_entropy(hidden, lm_head.weight, labels)``; the weight is
-  a ``Shard(0)`` DTensor on the tp mesh (its local rows handed to flce_dist with the tp group; see
-  ``flce_loss``), hidden is replicated or sequence-sharded; no rank holds ``[tokens, V]`` logits.
+- ``flce``: ``flce_dist.fused_linear_cross_entropy(hidden, lm_head.weight, labels)`` with the
+  DTensors themselves: the weight ``Shard(0)`` on the tp mesh, hidden replicated or ``Shard(1)``
+  (sequence parallel); no rank holds ``[tokens, V]`` logits.
 - ``torch``: the torchtitan baseline: ``lm_head`` ``ColwiseParallel(output_layouts=Shard(-1))``
   and ``F.cross_entropy`` on the DTensor logits under ``loss_parallel()`` (at tp=1: ``nn.Linear`` +
   ``F.cross_entropy``).
@@ -56,34 +56,26 @@ class CausalLM(torch.nn.Module):
         with amp:
             hidden = self.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
         if self.head == "flce":
-            return flce_loss(hidden, self.lm_head.weight, labels, self.tp_mesh, self.bf16)
+            return flce_loss(hidden, self.lm_head.weight, labels, self.bf16)
         with amp:
             logits = self.lm_head(hidden)
         # DTensor logits Shard(-1): F.cross_entropy runs vocab-parallel inside loss_context()
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE)
 
 
-def flce_loss(hidden, weight, labels: torch.Tensor, tp_mesh: DeviceMesh | None, bf16: bool) -> torch.Tensor:
-    """flce_dist's fused, vocab-parallel loss on a ``Shard(0)`` weight. ``hidden``: a plain tensor
-    (replicated over tp) or a ``Shard(1)`` DTensor (sequence parallel). ``to_local()`` is
-    differentiable, so the gradients come back as DTensors; ``vocab_start=None`` derives each
-    shard's start from the shard sizes in tp-rank order, which is DTensor's ``torch.chunk`` split."""
+def flce_loss(hidden, weight, labels: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """flce_dist's fused, vocab-parallel loss, handed the DTensors themselves: ``weight`` is the
+    ``Shard(0)`` lm_head weight on the tp mesh (flce_dist reads the tp group and every shard's
+    ``vocab_start`` off it, DTensor's ``torch.chunk`` split included), ``hidden`` is a plain tensor
+    (replicated over tp) or a ``Shard(1)`` DTensor (sequence parallelism, detected from the
+    placement; flce_dist slices the global ``labels`` like it). Gradients come back as DTensors
+    with the inputs' placements; the loss is a plain tensor, the same on every tp rank. At tp=1
+    everything is plain and this is the single-rank call."""
     import flce_dist
 
     if bf16:  # the fused loss in bf16; the cast is differentiable, the master weight stays fp32
         hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
-    if not isinstance(weight, DTensor):
-        return flce_dist.fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE)
-    group = weight.device_mesh.get_group()
-    sp = isinstance(hidden, DTensor) and hidden.placements[0].is_shard(1)
-    if sp:
-        n, r = tp_mesh.size(), tp_mesh.get_local_rank()
-        s = labels.shape[1] // n
-        labels = labels[:, r * s:(r + 1) * s]
-    if isinstance(hidden, DTensor):
-        hidden = hidden.to_local()
-    return flce_dist.fused_linear_cross_entropy(hidden, weight.to_local(), labels, group=group,
-                                                sequence_parallel=sp, ignore_index=IGNORE)
+    return flce_dist.fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE)
 
 
 def build_model(cfg: Config, vocab: int) -> CausalLM:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests tune tunestore tunecls sweep bench benchab bench32 tests32 profile train ds scaling tp tpquick tpbench tpprofile
+#   bash benchmarks/device.sh tests tune tunestore tunecls sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -27,13 +27,14 @@ for w in ${*:-tests bench}; do
     sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;
     bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -30 ;;
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
+    trainbench) OUT="$OUT/train_bench" timeout 590 bash benchmarks/train_bench.sh 2>&1 | flt | tail -12 ;;  # RUNS=, BATCHES= (see the script)
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
     bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32${FLCE_CHUNK_MB:+_$FLCE_CHUNK_MB}.log" | tail -6 ;;
     profile) timeout 150 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | tee "$OUT/profile${PROFILE_TAG:-}.log" | tail -30 ;;
     tpprofile) timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/profile_tp.log" | tail -30 ;;
     train) for run in ${TRAIN_RUNS:-2:flce 1:flce 1:torch}; do set -- ${run/:/ }
              NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
-               --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \
+               --overwrite --set parallel.tp=$1 --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \
                | tee "$OUT/train_$2_$1.log" | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"; done ;;
     ds) DS_ACCELERATOR=cuda FLCE_DS_BACKEND=nccl timeout 300 torchrun --nproc_per_node="$ngpu" tests/test_integrations.py ds 1 2 3 2>&1 | flt | tee "$OUT/ds_nccl.log" | grep "ds stage\|FAIL\|Error" | tail -12 ;;
     scaling) for n in ${SCALING_N:-8192}; do for p in 1 2 4 8; do [ "$p" -le "$ngpu" ] || continue

@@ -5,8 +5,8 @@
 #   NGPU=4 CONFIG=configs/train/llama_small_gpu.toml bash launch/train.sh --set training.steps=500
 #   MAX_RESTARTS=1 bash launch/train.sh --resume                # restart failed workers from the last checkpoint
 #
-# Environment: NGPU (ranks on this node = tensor-parallel size, default 2; on CPU-only machines the
-# ranks are gloo processes), CONFIG (TOML, default configs/train/tiny_cpu.toml), MAX_RESTARTS
+# Environment: NGPU (ranks on this node, default 2 = dp x tp of the config's [parallel] section, dp = -1
+# taking the rest; on CPU-only machines the ranks are gloo processes), CONFIG (TOML, default configs/train/tiny_cpu.toml), MAX_RESTARTS
 # (torchrun --max-restarts, default 0), LOG_RANK (ranks whose output is shown, default all; e.g. 0).
 # TORCHRUN (default: .venv/bin/torchrun if present, else torchrun). Every other argument is passed to launch/train.py (--set key=value, --head, --resume, ...).
 set -euo pipefail

@@ -1,17 +1,27 @@
-"""flce_dist: tensor-parallel, vocab-sharded fused linear cross entropy (Helion kernels)."""
+"""flce_dist: tensor-parallel, vocab-sharded fused linear cross entropy (Helion kernels).
+
+Importing the package changes nothing in the process: Helion is imported at the first kernel
+launch, and CPU machines call :func:`setup_reference_mode` (Helion's reference mode) explicitly.
+"""
 
 from .api import fused_linear_cross_entropy
 from .distributed import vocab_shard
 from .modules import FusedLinearCrossEntropyLoss, VocabParallelLMHead
-from .params import FLCEParams
+from .options import FLCEParams, LossOptions
 from .reference import reference_loss
+from .reference_mode import setup_reference_mode
+from .settings import Settings, override
 
 __all__ = [
     "FLCEParams",
     "FusedLinearCrossEntropyLoss",
+    "LossOptions",
+    "Settings",
     "VocabParallelLMHead",
     "fused_linear_cross_entropy",
+    "override",
     "reference_loss",
+    "setup_reference_mode",
     "vocab_shard",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,9 @@
-"""``fused_linear_cross_entropy``: validation and dispatch to the autograd Function."""
+"""``fused_linear_cross_entropy``: argument checks and dispatch to the autograd core.
+
+The loss options are fields of :class:`flce_dist.options.LossOptions` (defaults, checks, meaning);
+this signature lists them as keywords for readers and IDEs (and passes them on in field order), and
+``tests/test_features.py::test_api_signature_is_the_options`` keeps the two in step.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,26 @@ import torch.distributed as dist
 
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
-from .distributed import group_size, resolve_shard
+from .distributed import group_size, resolve_call, resolve_shard
 from .distributed.dtensor import is_dtensor, unwrap
-from .distributed.shard import call_signature
-from .params import FLCEParams
+from .options import FLCEParams, LossOptions
+from .settings import Settings, current
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Arguments of fused_linear_cross_entropy that are not LossOptions fields.
+NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "num_items_in_batch", "settings")
 
-# Eager: the autograd Function. Under torch.compile with sequence parallelism (whose gathers the
-# custom op does not cover) this stays a graph break: Helion launches and collectives run eagerly.
-_eager = torch.compiler.disable(FLCEFunction.apply)
+# Never traced by TorchDynamo: the once-per-shape shard check with a group (a collective and a host
+# sync), and the eager Function (used whenever the custom op is not: eager calls, and under
+# torch.compile with sequence parallelism or DTensor inputs, as a graph break). Also eager calls must
+# be shielded: frames that run eagerly under a compiled caller still meet Dynamo's frame hook.
+# torch._disable_dynamo defers ``import torch._dynamo`` (~1 s) from import time to the first call.
+_resolve = torch._disable_dynamo(resolve_call)
+def _apply(*args):
+    return FLCEFunction.apply(*args)
+
+
+_eager = torch._disable_dynamo(_apply)
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -27,74 +42,7 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-@torch.compiler.disable  # runs once per shape; its collective and host sync stay out of compiled graphs
-def _resolve(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
-             n_tokens: int, fields: tuple) -> tuple[int, int, str, int]:
-    """``(vocab_start, vocab_size, group name, group size)``: the shard checks of ``resolve_shard``
-    (with the call signature compared across ranks), and the group's name for the compiled op."""
-    size = group_size(group)
-    sig = call_signature(*fields) if size > 1 else 0
-    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, sig)
-    return start, vocab, group.group_name if size > 1 else "", size
-
-
-def fused_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    group: dist.ProcessGroup | None = None,
-    vocab_start: int | None = None,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    num_items_in_batch: int | torch.Tensor | None = None,
-    label_smoothing: float = 0.0,
-    z_loss: float = 0.0,
-    softcap: float | None = None,
-    temperature: float = 1.0,
-    sequence_parallel: bool = False,
-    return_lse: bool = False,
-    return_token_accuracy: bool = False,
-    strategy: str = "auto",
-    check_finite: bool = False,
-    deterministic: bool = False,
-):
-    """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
-
-    hidden [..., H] (float32/bfloat16/float16; float64 for checks), weight [V_local, H] (this rank's
-    vocab rows; the full [V, H] when ``group`` is None), target [...] int64 GLOBAL ids.
-    With ``group`` (a ProcessGroup of P ranks holding the vocab shards), every rank returns the same
-    loss, the gradient of its own weight shard, and the full dX. ``sequence_parallel=True``: hidden
-    and target are this rank's equal-sized token slice (rank order); the per-token outputs
-    (``reduction="none"``, lse) are for that slice too, and dX is reduce-scattered back.
-    ``strategy``: ``"auto"`` (default), ``"fused"`` or ``"recompute"`` (see ``autograd.py``).
-    Returns the loss; with ``return_lse=True`` also the global per-token logsumexp, and with
-    ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
-    shards; a tie with the target counts as correct; ignored tokens are False), each shaped like
-    target and not differentiable, in that order: ``loss[, lse][, correct]``.
-
-    ``deterministic=True``: bitwise identical loss and gradients from run to run on every rank. One
-    GPU is already reproducible (no atomics; fixed chunk plan); under TP this replaces NCCL's dX
-    all-reduce (whose summation order NCCL does not fix) by an all-to-all + float32 sum in rank
-    order + all-gather: same bytes, but blocking (no overlap with the last dW matmul).
-
-    ``check_finite=True`` raises ``FloatingPointError`` when the loss is NaN/inf (a host sync; off by
-    default). Without it, NaN/inf in hidden, weight or bias propagate to the loss, never masked.
-
-    Collectives per call with a group of P ranks (N tokens, H hidden): forward one all-gather of
-    ``[N, 4]`` float32 stats (the fused strategy: one per token chunk, same bytes); backward one
-    all-reduce of dX (``N*H``, hidden's dtype); sequence parallel: plus all-gathers of hidden and
-    target and a reduce-scatter of dX instead of the all-reduce.
-    """
-    hidden = _check_tensor("hidden", hidden)
-    weight = _check_tensor("weight", weight)
-    target = _check_tensor("target", target)
-    dt = None  # DTensor inputs: run on the local tensors (distributed/dtensor.py)
-    if any(is_dtensor(t_) for t_ in (hidden, weight, bias, target)):
-        dt = unwrap(hidden, weight, target, bias, group, vocab_start, sequence_parallel, ignore_index)
-        hidden, weight, bias, target, group = dt.hidden, dt.weight, dt.bias, dt.target, dt.group
-        sequence_parallel = dt.sequence_parallel
+def _check_shapes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None) -> None:
     if hidden.dtype not in _FLOATS:
         raise TypeError(f"hidden must be float32, bfloat16, float16 or float64, got {hidden.dtype}")
     if hidden.dim() < 1:
@@ -108,6 +56,8 @@ def fused_linear_cross_entropy(
     h = hidden.shape[-1]
     if weight.shape[1] != h:
         raise ValueError(f"weight hidden size {weight.shape[1]} does not match hidden's last dim {h}")
+    if h == 0:
+        raise ValueError("hidden has hidden size H=0: the logits would all be 0; pass at least one feature")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 (or int32) class ids, got {target.dtype}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
@@ -115,75 +65,150 @@ def fused_linear_cross_entropy(
     if target.device != hidden.device:
         raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
     if bias is not None:
-        bias = _check_tensor("bias", bias)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape [{weight.shape[0]}] (V_local), got {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise TypeError(f"bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if strategy not in ("auto", "fused", "recompute"):
-        raise ValueError(f"strategy must be 'auto', 'fused' or 'recompute', got {strategy!r}")
-    if not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-    if not 0.0 <= float(label_smoothing) < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if float(z_loss) < 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not float(softcap) > 0.0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
-    if not float(temperature) > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _num_items(num_items_in_batch: object, device: torch.device) -> torch.Tensor | None:
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got shape "
+                             f"{tuple(num_items_in_batch.shape)}")
+        if num_items_in_batch.device.type == "cpu" and not float(num_items_in_batch) >= 0:
+            raise ValueError(f"num_items_in_batch must be >= 0, got {float(num_items_in_batch)}")
+        return num_items_in_batch.to(device).reshape(())
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real) \
+            or not 0 <= float(num_items_in_batch) < float("inf"):
+        # 0 is an all-padding micro-batch under gradient accumulation (its loss is 0)
+        raise ValueError(f"num_items_in_batch must be a finite number >= 0 or a 1-element tensor, got {num_items_in_batch!r}")
+    return torch.as_tensor(num_items_in_batch, device=device).reshape(())
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    group: dist.ProcessGroup | None = None,
+    vocab_start: int | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    settings: Settings | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    sequence_parallel: bool = False,
+    strategy: str = "auto",
+    deterministic: bool = False,
+    return_lse: bool = False,
+    return_token_accuracy: bool = False,
+    check_finite: bool = False,
+):
+    """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
+
+    hidden [..., H] (float32/bfloat16/float16; float64 for checks), weight [V_local, H] (this rank's
+    vocab rows; the full [V, H] when ``group`` is None), target [...] int64 GLOBAL ids.
+    With ``group`` (a ProcessGroup of P ranks holding the vocab shards), every rank returns the same
+    loss, the gradient of its own weight shard, and the full dX. ``weight`` (and ``bias``) may be
+    DTensors placed ``Shard(0)`` on one mesh dim: the group and every rank's ``vocab_start`` then come
+    from them, and ``hidden`` may be a DTensor too (Replicate, or sharded over a token dim = sequence
+    parallelism); see ``distributed/dtensor.py``. ``sequence_parallel=True``: hidden and target are
+    this rank's equal-sized token slice (rank order); the per-token outputs (``reduction="none"``,
+    lse) are for that slice too, and dX is reduce-scattered back.
+
+    Options (``LossOptions``: defaults, checks, meaning): ``ignore_index``, ``reduction``,
+    ``label_smoothing``, ``z_loss``, ``softcap``, ``temperature``, ``sequence_parallel``,
+    ``strategy`` (``"auto"``, ``"fused"``, ``"recompute"``; see ``core.py``), ``deterministic``,
+    ``return_lse``, ``return_token_accuracy``, ``check_finite``. ``settings`` (``Settings``: chunk
+    budget, logits backend, block sizes, config directory) changes how, never what, is computed;
+    None: ``settings.current()``.
+
+    Returns the loss; with ``return_lse=True`` also the global per-token logsumexp, and with
+    ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
+    shards; a tie with the target counts as correct; ignored tokens are False), each shaped like
+    target and not differentiable, in that order: ``loss[, lse][, correct]``.
+
+    ``deterministic=True``: bitwise identical loss and gradients from run to run on every rank. One
+    GPU is already reproducible (no atomics; fixed chunk plan); under TP this replaces NCCL's dX
+    all-reduce (whose summation order NCCL does not fix) by an all-to-all + float32 sum in rank
+    order + all-gather: same bytes, but blocking (no overlap with the last dW matmul).
+
+    ``check_finite=True`` raises ``FloatingPointError`` when the loss is NaN/inf (a host sync; off by
+    default). Without it, NaN/inf in hidden, weight or bias propagate to the loss, never masked.
+    Double backward (``create_graph=True``) raises: the gradients are formed by kernels.
+
+    Collectives per call with a group of P ranks (N tokens, H hidden): forward one all-gather of
+    ``[N, 4]`` float32 stats (the fused strategy: one per token chunk, same bytes); backward one
+    all-reduce of dX (``N*H``, hidden's dtype); sequence parallel: plus all-gathers of hidden and
+    target and a reduce-scatter of dX instead of the all-reduce. Once per distinct call shape, one
+    all-gather of the shard sizes and the call's signature checks that every rank makes the same call.
+    """
+    options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
+                          strategy, deterministic, return_lse, return_token_accuracy, check_finite)
+    settings = current() if settings is None else settings
+    if not isinstance(settings, Settings):
+        raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(settings).__name__}")
+    hidden = _check_tensor("hidden", hidden)
+    weight = _check_tensor("weight", weight)
+    target = _check_tensor("target", target)
+    if bias is not None:
+        bias = _check_tensor("bias", bias)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    dt = None  # DTensor inputs: run on the local tensors (distributed/dtensor.py)
+    if any(is_dtensor(t_) for t_ in (hidden, weight, bias, target)):
+        dt = unwrap(hidden, weight, target, bias, group, vocab_start, options.sequence_parallel, options.ignore_index)
+        hidden, weight, bias, target, group = dt.hidden, dt.weight, dt.bias, dt.target, dt.group
+        options = options.replace(sequence_parallel=dt.sequence_parallel)
+    _check_shapes(hidden, weight, target, bias)
 
+    h = hidden.shape[-1]
     x = hidden.reshape(-1, h)
-    needs_grad = torch.is_grad_enabled() and any(
-        t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
+    needs_grad = torch.is_grad_enabled() and any(t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
+    compiling = torch.compiler.is_compiling()
     if group is None:  # no collective: stays inside a compiled graph
         (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device), "", 1
     else:  # the call's fields, compared across ranks once per shape
-        fields = (h, str(hidden.dtype), bias is not None, needs_grad, int(ignore_index), reduction,
-                  float(label_smoothing), float(z_loss), float(softcap or 0.0), float(temperature),
-                  bool(sequence_parallel), strategy, num_items_in_batch is not None, bool(deterministic))
+        fields = (h, str(hidden.dtype), bias is not None, needs_grad, num_items_in_batch is not None,
+                  options.signature(), settings)
         start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields)
     if dt is not None and vocab != dt.vocab_size:
         raise ValueError(f"weight is a DTensor of {dt.vocab_size} vocab rows but its shards along the mesh hold "
                          f"{vocab} rows in all: its local tensors do not match its global shape")
     t = target.reshape(-1).to(torch.int64)
-    compiling = torch.compiler.is_compiling()
     if t.device.type == "cpu" and t.numel() and not compiling:
-        bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+        bad = (t != options.ignore_index) & ((t < 0) | (t >= vocab))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not ignore_index ({ignore_index})")
-    num_items = None
-    if num_items_in_batch is not None:
-        num_items = torch.as_tensor(num_items_in_batch, device=hidden.device).reshape(())
+            raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not ignore_index "
+                             f"({options.ignore_index})")
+    num_items = _num_items(num_items_in_batch, hidden.device)
     if not torch.is_grad_enabled():
-        strategy = "recompute"  # evaluation: statistics only, one matmul, no gradient work
-    params = FLCEParams(
-        vocab_start=start, vocab_size=vocab, ignore_index=int(ignore_index), reduction=reduction,
-        label_smoothing=float(label_smoothing), z_loss=float(z_loss), softcap=float(softcap or 0.0),
-        temperature=float(temperature), sequence_parallel=bool(sequence_parallel) and tp > 1,
-        strategy=strategy, deterministic=bool(deterministic),
-    )
-    if compiling and not params.sequence_parallel and dt is None:
+        options = options.replace(strategy="recompute")  # evaluation: statistics only, one matmul
+    options = options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
+    params = FLCEParams(start, vocab, options, settings)
+    if compiling and not options.sequence_parallel and dt is None:
         # under torch.compile: the custom op (compile_op.py), one graph, no break
-        loss, lse, correct, *_ = fused_lce(
-            x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, start, vocab, params.ignore_index,
-            reduction, params.label_smoothing, params.z_loss, params.softcap, params.temperature, strategy,
-            params.deterministic, needs_grad, group_name)
+        loss, lse, correct, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
+                                           params.encode(), needs_grad, group_name)
     else:
         loss, lse, correct = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
-    if reduction == "none":
+    if options.reduction == "none":
         loss = loss.reshape(target.shape)
-    if check_finite and not bool(torch.isfinite(loss.detach()).all()):
+    if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):
         raise FloatingPointError(
-            "fused_linear_cross_entropy: the loss is not finite (NaN/inf in hidden, weight or bias, "
-            "or a target outside [0, V) on the GPU)")
-    extras = ([lse.reshape(target.shape)] if return_lse else []) + ([correct.reshape(target.shape)] if return_token_accuracy else [])
+            "fused_linear_cross_entropy: the loss is not finite: NaN/inf in hidden, weight or bias, a target "
+            "outside [0, V) on the GPU, or logits that overflow hidden's dtype (float16 tops out at 65504)")
+    extras = (([lse.reshape(target.shape)] if options.return_lse else [])
+              + ([correct.reshape(target.shape)] if options.return_token_accuracy else []))
     if dt is not None:  # per-token outputs placed like hidden's leading dims; a scalar loss stays plain
-        loss = dt.wrap_tokens(loss) if reduction == "none" else loss
+        loss = dt.wrap_tokens(loss) if options.reduction == "none" else loss
         extras = [dt.wrap_tokens(e) for e in extras]
     return (loss, *extras) if extras else loss

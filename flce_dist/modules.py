@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import fused_linear_cross_entropy
+from .api import NON_OPTIONS, fused_linear_cross_entropy
 from .distributed import group_rank, group_size, vocab_shard
 from .distributed.dtensor import chunk_span, is_dtensor
+from .options import LossOptions
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):
@@ -22,12 +23,14 @@ class FusedLinearCrossEntropyLoss(nn.Module):
                  **options: Any) -> None:
         super().__init__()
         self.ignore_index, self.reduction, self.group, self.options = ignore_index, reduction, group, options
-        # validate options eagerly so that a typo fails at construction
-        import inspect
-        allowed = set(inspect.signature(fused_linear_cross_entropy).parameters) - {"hidden", "weight", "target", "bias"}
+        # validate options eagerly so that a typo or a bad value fails at construction
+        allowed = set(LossOptions.keywords()) | (set(NON_OPTIONS) - {"hidden", "weight", "target", "bias", "group"})
         unknown = set(options) - allowed
         if unknown:
-            raise TypeError(f"unknown option(s) for FusedLinearCrossEntropyLoss: {sorted(unknown)}")
+            raise TypeError(f"unknown option(s) for FusedLinearCrossEntropyLoss: {sorted(unknown)} "
+                            f"(allowed: {sorted(allowed)})")
+        LossOptions(ignore_index=ignore_index, reduction=reduction,
+                    **{k: v for k, v in options.items() if k in LossOptions.keywords()})
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None, **overrides: Any):

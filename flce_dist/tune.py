@@ -19,9 +19,11 @@ from pathlib import Path
 import helion
 import torch
 
-from . import kernels as K
 from ._timing import DTYPES, cuda_time_ms
-from . import runtime as R
+from .kernels import launch as L
+from .kernels.chunk_grad import chunk_grad_
+from .kernels.chunk_stats import chunk_stats
+from .kernels.lse_forward import lse_forward_partials
 
 LSE_CANDIDATES = [
     dict(block=dict(block_n=bn, block_v=bv, block_h=bh),
@@ -58,16 +60,16 @@ def _run(kernel, args, cand, order):
 
 def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
     """(name, kernel, args without the block sizes, candidates, BLOCK_ORDER key, reference ms) per
-    searched kernel; the args match what runtime.py passes (int32 local targets)."""
+    searched kernel; the args match what kernels/launch.py passes (int32 local targets)."""
     rows, store_rows = z.shape[0], zs.shape[0]
     return [
-        # (x, w, bias, target_local, z_out, scale, softcap, has_bias, store_logits, with_sum): as runtime.lse_forward
-        ("lse_forward", K.lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), 1.0, 0.0, False, False, False),
+        # (x, w, bias, target_local, z_out, scale, softcap, has_bias, store_logits, with_sum): as launch.lse_forward
+        ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), 1.0, 0.0, False, False, False),
          LSE_CANDIDATES, "lse_forward", mm),
-        ("lse_forward_store", K.lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False),
+        ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False),
          LSE_STORE_CANDIDATES, "lse_forward", smm),
-        ("chunk_stats", K.chunk_stats, (z, t[:rows], 1.0, 0.0, False), STATS_CANDIDATES, "chunk_stats", zmm),
-        ("chunk_grad", K.chunk_grad_, (z.clone(), t[:rows], lse, gw, 1.0, 0.0, 1.0, 0.0, 0.0), GRAD_CANDIDATES, "chunk_grad", zmm),
+        ("chunk_stats", chunk_stats, (z, t[:rows], 1.0, 0.0, False), STATS_CANDIDATES, "chunk_stats", zmm),
+        ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, 1.0, 0.0, 1.0, 0.0, 0.0), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]
 
 
@@ -76,7 +78,7 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536, only=()):
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, h, device=dev, dtype=dtype, generator=g)
     w = torch.randn(v, h, device=dev, dtype=dtype, generator=g) * h**-0.5
-    t = torch.randint(0, v, (n,), device=dev, generator=g).to(torch.int32)  # as runtime passes local targets
+    t = torch.randint(0, v, (n,), device=dev, generator=g).to(torch.int32)  # as launch passes local targets
     mm = _time(lambda: x @ w.T)
     z = x[:rows] @ w.T
     zmm = _time(lambda: x[:rows] @ w.T)
@@ -89,7 +91,7 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536, only=()):
     for name, kern, args, cands, kind, ref in specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
         if only and name not in only:
             continue
-        order = R.BLOCK_ORDER[kind]
+        order = L.BLOCK_ORDER[kind]
         results = []
         for c in cands:
             try:
@@ -110,12 +112,16 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536, only=()):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--h", type=int, default=4096)
-    ap.add_argument("--v", type=int, default=128256)
-    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    ap.add_argument("--out", default=str(R._CONFIG_DIR / "h200.json"))
+    ap = argparse.ArgumentParser(
+        prog="python -m flce_dist.tune", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0].rstrip(".") + ": times a dozen hand-picked block sizes / helion.Config "
+                    "fields per kernel against the cuBLAS matmul (CUDA only) and merges the winners into a config file.",
+        epilog="example: python -m flce_dist.tune --h 2304 --v 262208 --shape-class --only lse_forward")
+    ap.add_argument("--n", type=int, default=8192, help="tokens (default 8192)")
+    ap.add_argument("--h", type=int, default=4096, help="hidden size (default 4096)")
+    ap.add_argument("--v", type=int, default=128256, help="vocabulary rows (default 128256)")
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="input dtype class (default bf16)")
+    ap.add_argument("--out", default=str(L.DEFAULT_CONFIG_DIR / "h200.json"), help="config file to merge into")
     ap.add_argument("--shape-class", action="store_true",
                     help="store the winners under '<dtype>@h<H>' (used for this hidden size only) instead of '<dtype>'")
     ap.add_argument("--only", default="", help="comma-separated kernel entries to search (default: all); the others keep their entries")

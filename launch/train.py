@@ -68,6 +68,9 @@ def init_distributed(cfg, rank: int, world: int, restart: int):
     dead ranks' keys in it."""
     want = cfg.job.device
     use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise SystemExit(f"job.device = {want!r} but this machine has no CUDA device: use a CPU config "
+                         "(configs/train/tiny_cpu.toml) or --set job.device=\"cpu\"")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -75,6 +78,9 @@ def init_distributed(cfg, rank: int, world: int, restart: int):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cfg.job.threads)
+        import flce_dist
+
+        flce_dist.setup_reference_mode()  # the Helion kernels as eager torch code (no CUDA here)
     if world > 1:
         from torch.distributed.rendezvous import rendezvous
 

@@ -3,6 +3,11 @@ import torch
 
 torch.set_num_threads(1)  # reference mode is ~8x faster single-threaded on 2 cores
 
+if not torch.cuda.is_available():  # Helion reference mode: an explicit call, never an import side effect
+    import flce_dist
+
+    flce_dist.setup_reference_mode()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (run on the H200 with -m gpu)")
@@ -28,9 +33,9 @@ SMALL_BLOCKS = {
 
 @pytest.fixture
 def small_tiles():
-    from flce_dist import runtime
+    from flce_dist import settings
 
-    with runtime.override(blocks=SMALL_BLOCKS):
+    with settings.override(blocks=SMALL_BLOCKS):
         yield
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist import reference_loss, runtime, vocab_shard  # noqa: E402
+from flce_dist import reference_loss, settings, vocab_shard  # noqa: E402
 
 SMALL_BLOCKS = {
     "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
@@ -247,12 +247,12 @@ def main():
     if args.backend == "nccl":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", r)))
         torch.cuda.set_device(dev)
-        ctx = runtime.override()
+        ctx = settings.override()
         dtypes = [torch.float32, torch.bfloat16]
     else:
         torch.set_num_threads(1)
         dev = torch.device("cpu")
-        ctx = runtime.override(blocks=SMALL_BLOCKS, chunk_bytes=4096)
+        ctx = settings.override(blocks=SMALL_BLOCKS, chunk_bytes=4096)
         dtypes = [torch.float32]
     ck = Checker(r)
     try:

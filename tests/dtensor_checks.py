@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist import reference_loss, runtime, vocab_shard  # noqa: E402
+from flce_dist import reference_loss, settings, vocab_shard  # noqa: E402
 from flce_dist.distributed.dtensor import chunk_span  # noqa: E402
 from flce_dist.distributed.shard import _resolve_cached  # noqa: E402
 
@@ -255,7 +255,7 @@ def main() -> int:
     if world == 4:
         meshes.append((init_device_mesh(dev_type, (2, 2), mesh_dim_names=("dp", "tp")), 1))
         meshes.append((init_device_mesh(dev_type, (2, 2), mesh_dim_names=("tp", "dp")), 0))
-    cm = runtime.override(blocks=SMALL_BLOCKS) if dev_type == "cpu" else runtime.override()
+    cm = settings.override(blocks=SMALL_BLOCKS) if dev_type == "cpu" else settings.override()
     try:
         with cm:
             for mesh, d in meshes:

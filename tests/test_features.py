@@ -105,11 +105,31 @@ def test_torch_compile_fullgraph_custom_op(small_tiles, reduction, bias):
 def test_custom_op_registration_opcheck(small_tiles):
     """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree
     with the real op."""
+    from flce_dist import FLCEParams, LossOptions, settings
     from flce_dist.compile_op import fused_lce
 
     x, w, t = _inputs(11)
     x.requires_grad_()
     w.requires_grad_()
     for reduction, strategy in (("mean", "fused"), ("none", "recompute")):
-        args = (x, w, None, t, None, 0, w.shape[0], -100, reduction, 0.0, 0.0, 0.0, 1.0, strategy, False, True, "")
+        params = FLCEParams(0, w.shape[0], LossOptions(reduction=reduction, strategy=strategy), settings.current())
+        args = (x, w, None, t, None, params.encode(), True, "")
         torch.library.opcheck(fused_lce, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_api_signature_is_the_options():
+    """Every LossOptions field is a keyword of fused_linear_cross_entropy with the same default, passed
+    on in field order, and nothing else is (the options have one source of truth)."""
+    import dataclasses
+    import inspect
+
+    from flce_dist import LossOptions, fused_linear_cross_entropy
+    from flce_dist.api import NON_OPTIONS
+
+    params = inspect.signature(fused_linear_cross_entropy).parameters
+    fields = {f.name: f.default for f in dataclasses.fields(LossOptions)}
+    assert set(params) == set(fields) | set(NON_OPTIONS)
+    assert all(params[k].default == d for k, d in fields.items())
+    src = inspect.getsource(fused_linear_cross_entropy)
+    call = src[src.index("LossOptions("):src.index(")", src.index("LossOptions("))]
+    assert [a.strip() for a in call[len("LossOptions("):].split(",")] == list(fields)

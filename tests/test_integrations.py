@@ -111,7 +111,7 @@ def _torchrun(args: list[str], world: int = 2, extra_env: dict | None = None, ti
 @pytest.mark.parametrize("num_items", [None, 11], ids=["mean", "num_items"])
 def test_transformers_apply_matches_unpatched(model_type, tied, num_items):
     pytest.importorskip("transformers")
-    from flce_dist import runtime
+    from flce_dist import settings
     from flce_dist.integrations.transformers import apply
 
     ref = tiny_model(model_type, tied)
@@ -119,12 +119,12 @@ def test_transformers_apply_matches_unpatched(model_type, tied, num_items):
     ids, labels = batch()
     kw = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     out_ref = ref(input_ids=ids, labels=labels, **kw)
-    with runtime.override(blocks=SMALL_BLOCKS):
+    with settings.override(blocks=SMALL_BLOCKS):
         out = fused(input_ids=ids, labels=labels, **kw)
     assert out.logits is None
     assert rel(out.loss, out_ref.loss) <= 1e-5, (out.loss.item(), out_ref.loss.item())
     out_ref.loss.backward()
-    with runtime.override(blocks=SMALL_BLOCKS):
+    with settings.override(blocks=SMALL_BLOCKS):
         out.loss.backward()
     g_ref, g = grads(ref), grads(fused)
     for k in g_ref:
@@ -231,7 +231,7 @@ def _check(cond, msg, failures):
 
 
 def _worker_hf(rank: int, world: int, group) -> int:
-    from flce_dist import runtime, vocab_shard
+    from flce_dist import settings, vocab_shard
     from flce_dist.integrations.transformers import apply
 
     failures, count = [], 0
@@ -242,10 +242,10 @@ def _worker_hf(rank: int, world: int, group) -> int:
         s, e = vocab_shard(VOCAB, rank, world)
         kw = {"num_items_in_batch": torch.tensor(9)} if tied else {}
         loss_ref = ref(input_ids=ids, labels=labels, **kw).loss
-        with runtime.override(blocks=SMALL_BLOCKS):
+        with settings.override(blocks=SMALL_BLOCKS):
             loss = tp(input_ids=ids, labels=labels, **kw).loss
         loss_ref.backward()
-        with runtime.override(blocks=SMALL_BLOCKS):
+        with settings.override(blocks=SMALL_BLOCKS):
             loss.backward()
         g_ref, g = grads(ref), grads(tp)
         tag = f"{model_type} tied={tied}"
@@ -291,7 +291,7 @@ def _ds_config(stage: int, flce: bool, vocab_parallel_lm_head: bool = True) -> d
 def _worker_ds(rank: int, world: int, stages: list[int]) -> int:
     import deepspeed
 
-    from flce_dist import runtime
+    from flce_dist import settings
     from flce_dist.integrations import deepspeed as fds
     from flce_dist.integrations.transformers import apply
 
@@ -323,7 +323,7 @@ def _worker_ds(rank: int, world: int, stages: list[int]) -> int:
             on_cpu = engine.device.type == "cpu"
             run = []
             for _ in range(3):  # three SGD steps: the later losses check the gradients end to end
-                with runtime.override(blocks=SMALL_BLOCKS) if on_cpu else contextlib.nullcontext():
+                with settings.override(blocks=SMALL_BLOCKS) if on_cpu else contextlib.nullcontext():
                     out = engine(input_ids=ids, labels=labels)
                     if (how == "torch") != (out.logits is not None):
                         failures.append(f"{name} {how}: logits {'missing' if how == 'torch' else 'materialised'}")

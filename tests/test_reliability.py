@@ -6,7 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flce_dist
-from flce_dist import reference_loss, runtime
+from flce_dist import reference_loss
+from flce_dist import settings as flce_settings
+from flce_dist.kernels import launch
 
 from .conftest import SMALL_BLOCKS, rel
 
@@ -85,7 +87,7 @@ def test_property_matches_reference(n, h, v, dtype, ignore_frac, reduction, stra
     t[torch.rand(n, generator=g) < ignore_frac] = -100
     go = torch.randn(n, generator=g) if reduction == "none" else None
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    with runtime.override(blocks=SMALL_BLOCKS, chunk_bytes=8 * max(v, n) * 4):
+    with flce_settings.override(blocks=SMALL_BLOCKS, chunk_bytes=8 * max(v, n) * 4):
         loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, reduction=reduction, strategy=strategy)
         loss.backward(go)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
@@ -104,7 +106,11 @@ def test_chunk_plan_on_cuda_depends_only_on_shapes():
     """The CUDA chunk budget (no GPU needed: it reads only the device type): 1 GiB - 64 MiB of
     headroom beyond the returned gradients, 1/P of it per rank, less the caller's reserved buffers;
     rows a multiple of 128, chunks balanced."""
-    from flce_dist.runtime import EXTRA_BYTES, HEADROOM_BYTES, chunk_rows
+    from flce_dist.chunking import EXTRA_BYTES, HEADROOM_BYTES
+    from flce_dist.chunking import chunk_rows as plan
+
+    def chunk_rows(*args, **kw):  # the call's settings: the current ones, as the loss passes them
+        return plan(*args[:4], flce_settings.current(), *args[4:], **kw)
 
     cuda = torch.device("cuda")
     budget = EXTRA_BYTES - HEADROOM_BYTES
@@ -126,7 +132,7 @@ def test_chunk_plan_on_cuda_depends_only_on_shapes():
         for budget_mb in (1, 3, 64):
             fit = (budget_mb << 20) // 2000  # rows of 1000 bf16 elements in the budget
             fit = fit // 128 * 128 if fit >= 256 else fit
-            with runtime.override(chunk_bytes=budget_mb << 20):
+            with flce_settings.override(chunk_bytes=budget_mb << 20):
                 rows = chunk_rows(total, 1000, 2, cuda)
             assert 1 <= rows <= min(total, fit), (total, budget_mb, rows)
             assert -(-total // rows) == -(-total // min(total, fit)), (total, budget_mb, rows)  # no extra chunk
@@ -137,7 +143,8 @@ def test_config_variant_entry_falls_back(tmp_path, monkeypatch):
     kernel's own entry, then the built-in default; a ``<dtype>@h<H>`` shape class first in each."""
     import json
 
-    from flce_dist.runtime import _CPU_DEFAULTS, entry
+    from flce_dist.kernels.launch import CPU_DEFAULTS as _CPU_DEFAULTS
+    from flce_dist.kernels.launch import entry
 
     (tmp_path / "cpu.json").write_text(json.dumps({
         "lse_forward": {"fp32": {"block": {"block_n": 64}}, "fp32@h2304": {"block": {"block_n": 8}},
@@ -145,8 +152,8 @@ def test_config_variant_entry_falls_back(tmp_path, monkeypatch):
         "lse_forward_store": {"fp32": {"block": {"block_n": 32}}, "fp16": {"block": {"block_v": 512}},
                               "fp32@h2304": {"block": {"block_n": 16}}},
     }))
-    monkeypatch.setattr(runtime, "_CONFIG_DIR", tmp_path)
-    runtime._load.cache_clear()
+    monkeypatch.setattr(launch, "DEFAULT_CONFIG_DIR", tmp_path)
+    launch.load_configs.cache_clear()
     try:
         cpu = torch.device("cpu")
         assert entry("lse_forward", cpu, torch.float32)["block"]["block_n"] == 64
@@ -160,10 +167,10 @@ def test_config_variant_entry_falls_back(tmp_path, monkeypatch):
         # the variant's dtype entry still comes before the kernel's own shape class
         assert entry("lse_forward", cpu, torch.float16, "store", h=2304)["block"]["block_v"] == 512
     finally:
-        runtime._load.cache_clear()
+        launch.load_configs.cache_clear()
 
 
-def test_tune_specs_launch_the_kernels_as_runtime_does():
+def test_tune_specs_launch_the_kernels_as_the_loss_does():
     """``python -m flce_dist.tune`` (GPU only) binds each kernel with ``tune.specs``' argument tuples:
     every spec must launch (reference mode here, one candidate's block sizes shrunk to force tiles),
     so a kernel signature change cannot silently make every tuning candidate fail."""
@@ -178,7 +185,7 @@ def test_tune_specs_launch_the_kernels_as_runtime_does():
     for name, kern, args, cands, kind, _ in tune.specs(x, w, t, z, torch.empty(rows, v), lse, torch.rand(rows, generator=g),
                                                       1.0, 1.0, 1.0):
         assert cands, name
-        small = {k: 16 if k != "block_n" else 8 for k in runtime.BLOCK_ORDER[kind]}
+        small = {k: 16 if k != "block_n" else 8 for k in launch.BLOCK_ORDER[kind]}
         if kind == "lse_forward":
             small["block_n"] = 16  # hl.dot tiles are at least 16
-        kern(*args, *(small[k] for k in runtime.BLOCK_ORDER[kind]))
+        kern(*args, *(small[k] for k in launch.BLOCK_ORDER[kind]))

@@ -1,7 +1,7 @@
 """Single-rank correctness of ``flce_dist.fused_linear_cross_entropy`` against ``reference_loss``.
 
 Every kernel test runs under the ``small_tiles`` fixture (several Helion tiles per dimension in
-reference mode) and ``runtime.override(chunk_bytes=...)`` (several materialised logits chunks):
+reference mode) and ``settings.override(chunk_bytes=...)`` (several materialised logits chunks):
 the fused strategy chunks tokens (``rows = chunk_bytes / (V * elem)``), the recompute strategy
 chunks the vocabulary with all N rows (``cols = chunk_bytes / (N * elem)``).
 The reference is always computed in float64 on the same (possibly bf16-rounded) inputs.
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import flce_dist
-from flce_dist import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy, reference_loss, runtime
+from flce_dist import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy, reference_loss, settings
+from flce_dist.kernels import launch
 from flce_dist.reference import reference_logits
 
 from .conftest import rel
@@ -70,7 +71,7 @@ def run_flce(hidden, weight, bias, target, *, strategy, reduction="mean", grad_o
     x = hidden.detach().clone().requires_grad_()
     w = weight.detach().clone().requires_grad_()
     b = bias.detach().clone().requires_grad_() if bias is not None else None
-    with runtime.override(chunk_bytes=chunk_bytes):
+    with settings.override(chunk_bytes=chunk_bytes):
         out = fused_linear_cross_entropy(x, w, target, bias=b, reduction=reduction, strategy=strategy, **opts)
         loss = out[0] if isinstance(out, tuple) else out
         if grad_output is None:
@@ -124,13 +125,13 @@ def check_all(got, want, dtype, *, loss_tol=None, grad_tol=None):
 def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strategy):
     n, h, v = 37, 70, 101
     launches = []
-    orig = runtime._launch
+    orig = launch._launch
 
-    def spy(kernel, name, args, device, dtype, variant="", h=None):
-        launches.append((name, tuple(args[0].shape), runtime.entry(name, device, dtype, variant, h)["block"]))
-        return orig(kernel, name, args, device, dtype, variant, h)
+    def spy(name, args, device, dtype, settings, variant="", h=None):
+        launches.append((name, tuple(args[0].shape), launch.entry(name, device, dtype, variant, h, settings)["block"]))
+        return orig(name, args, device, dtype, settings, variant, h)
 
-    monkeypatch.setattr(runtime, "_launch", spy)
+    monkeypatch.setattr(launch, "_launch", spy)
     hidden, weight, _, target = make_inputs(_seed(request), n, h, v)
     got = run_flce(hidden, weight, None, target, strategy=strategy,
                    chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32))
@@ -183,7 +184,7 @@ def test_large_odd_shape(small_tiles, request, strategy):
     hidden, weight, _, target = make_inputs(_seed(request), n, h, v, ignore_frac=0.05)
     # ~5 chunks per strategy (token chunks of 100 rows / vocab chunks of 2000 columns)
     cb = 100 * v * 4 if strategy == "fused" else 2000 * n * 4
-    with runtime.override(blocks=MEDIUM_BLOCKS):
+    with settings.override(blocks=MEDIUM_BLOCKS):
         got = run_flce(hidden, weight, None, target, strategy=strategy, chunk_bytes=cb)
     check_all(got, run_ref(hidden, weight, None, target), torch.float32)
 
@@ -405,7 +406,7 @@ def test_gradcheck(small_tiles, request, strategy, reduction, opts):
     # The fused strategy hands out its forward-formed gradients on the first backward and
     # recomputes on later ones (retain_graph): equal up to float64 rounding, not bitwise.
     nondet = 1e-12 if strategy == "fused" else 0.0
-    with runtime.override(chunk_bytes=cb):
+    with settings.override(chunk_bytes=cb):
         assert torch.autograd.gradcheck(
             lambda x_, w_, b_: fused_linear_cross_entropy(x_, w_, target, bias=b_, **kw),
             (x, w, bb), eps=1e-6, atol=1e-8, rtol=1e-6, nondet_tol=nondet,
@@ -427,7 +428,7 @@ def test_no_grad_forward(small_tiles, request, strategy, reduction):
     n, h, v = 37, 70, 101
     hidden, weight, b, target = make_inputs(_seed(request), n, h, v, bias=True, ignore_frac=0.1)
     x, w, bb = (t.clone().requires_grad_() for t in (hidden, weight, b))
-    with torch.no_grad(), runtime.override(chunk_bytes=chunk_bytes_for("fused", n, v, torch.float32)):
+    with torch.no_grad(), settings.override(chunk_bytes=chunk_bytes_for("fused", n, v, torch.float32)):
         loss, lse = fused_linear_cross_entropy(x, w, target, bias=bb, reduction=reduction, strategy=strategy,
                                                return_lse=True)
     assert not loss.requires_grad
@@ -441,7 +442,7 @@ def test_no_grad_forward(small_tiles, request, strategy, reduction):
 def test_forward_without_requires_grad(small_tiles, request, strategy):
     n, h, v = 30, 33, 66
     hidden, weight, _, target = make_inputs(_seed(request), n, h, v)
-    with runtime.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
+    with settings.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
         loss = fused_linear_cross_entropy(hidden, weight, target, strategy=strategy)
     assert not loss.requires_grad
     assert_close("loss", loss, reference_loss(hidden.double(), weight.double(), target), 1e-5)
@@ -453,7 +454,7 @@ def test_grad_for_weight_only(small_tiles, request, strategy):
     n, h, v = 30, 33, 66
     hidden, weight, _, target = make_inputs(_seed(request), n, h, v)
     w = weight.clone().requires_grad_()
-    with runtime.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
+    with settings.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
         fused_linear_cross_entropy(hidden, w, target, strategy=strategy).backward()
     wd = weight.double().requires_grad_()
     reference_loss(hidden.double(), wd, target).backward()
@@ -523,7 +524,7 @@ def test_return_lse(small_tiles, request, strategy, reduction, opts):
     n, h, v = 37, 70, 101
     kw = {} if opts == "plain" else dict(softcap=5.0, temperature=0.7)
     hidden, weight, b, target = make_inputs(_seed(request), n, h, v, bias=True, ignore_frac=0.2, wscale=6.0)
-    with runtime.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
+    with settings.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
         out = fused_linear_cross_entropy(hidden.clone().requires_grad_(), weight.clone().requires_grad_(), target,
                                          bias=b, reduction=reduction, strategy=strategy, return_lse=True, **kw)
     assert isinstance(out, tuple) and len(out) == 2
@@ -555,7 +556,7 @@ def test_module_matches_function(small_tiles, request, strategy, reduction):
 
     def grads(fn):
         x, w, bb = (t.clone().requires_grad_() for t in (hidden, weight, b))
-        with runtime.override(chunk_bytes=cb):
+        with settings.override(chunk_bytes=cb):
             loss = fn(x, w, bb)
             loss.backward(go)
         return loss.detach(), x.grad, w.grad, bb.grad
@@ -639,7 +640,7 @@ def test_noncontiguous_hidden(small_tiles, request, strategy):
     w = weight.clone().requires_grad_()
     hidden = base.T
     assert not hidden.is_contiguous()
-    with runtime.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
+    with settings.override(chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32)):
         loss = fused_linear_cross_entropy(hidden, w, target, strategy=strategy)
         loss.backward()
     bd = base.detach().double().requires_grad_()
@@ -663,7 +664,7 @@ def test_noncontiguous_strided_everything(small_tiles, request, strategy):
     assert not hidden.is_contiguous() and not target.is_contiguous()
     x = hidden.detach().requires_grad_()  # still strided
     wleaf = wb.clone().requires_grad_()
-    with runtime.override(chunk_bytes=chunk_bytes_for(strategy, bsz * t, v, torch.float32)):
+    with settings.override(chunk_bytes=chunk_bytes_for(strategy, bsz * t, v, torch.float32)):
         loss = fused_linear_cross_entropy(x, wleaf.T, target, strategy=strategy, reduction="sum")
         loss.backward()
     xd = hidden.double().requires_grad_()
@@ -681,12 +682,12 @@ def test_fused_logits_modes_match_reference(small_tiles, request, fused_logits):
     them, or cuBLAS + chunk_stats) give the reference loss and gradients, over several chunks."""
     n, h, v = 37, 70, 101
     hidden, weight, b, target = make_inputs(_seed(request), n, h, v, torch.float32, bias=True)
-    with runtime.override(fused_logits=fused_logits):
+    with settings.override(fused_logits=fused_logits):
         got = run_flce(hidden, weight, b, target, strategy="fused", chunk_bytes=chunk_bytes_for("fused", n, v, torch.float32))
     check_all(got, run_ref(hidden, weight, b, target), torch.float32)
 
 
 def test_fused_logits_mode_rejects_unknown():
     with pytest.raises(ValueError, match="fused_logits"):
-        with runtime.override(fused_logits="triton"):
+        with settings.override(fused_logits="triton"):
             pass

@@ -1,6 +1,6 @@
 """The collectives of the vocab-parallel loss. Every function is a no-op at group size 1.
 
-Per training step (group of P ranks, N tokens, H hidden, k = 3 stats):
+Per training step (group of P ranks, N tokens, H hidden, 4 float32 stats per token):
   forward   one all-gather of the per-rank stats, ``[P, N, 4]`` float32 = 16*P*N bytes
             (the fused strategy issues it per token chunk: same bytes, N/Nc calls)
   backward  one all-reduce of dX, ``N*H`` elements of hidden's dtype (async, overlapped with dW)
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .shard import group_size
+from .groups import group_size
 
 # torch >= 2.13 names the flat collectives *_single (the old names warn); torch 2.11 (the GPU
 # image) only has the old ones. Both take a flat output: [P * rows, ...].
@@ -98,3 +98,43 @@ def reduce_scatter_rows(t: torch.Tensor, group: dist.ProcessGroup | None, determ
     out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _reduce_scatter_flat(out, t, group=group)
     return out
+
+
+def all_gather_rows_uneven(t: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather ``t [sizes[rank], ...]`` from every rank into ``[sum(sizes), ...]`` (rank order):
+    each rank pads to ``max(sizes)`` rows, one all-gather, then the padding is dropped."""
+    width = max(sizes)
+    if t.shape[0] < width:
+        t = torch.cat([t, t.new_zeros((width - t.shape[0], *t.shape[1:]))])
+    out = all_gather_rows(t.contiguous(), group).view(len(sizes), width, *t.shape[1:])
+    return torch.cat([out[r, :n] for r, n in enumerate(sizes)])
+
+
+class TiedShardRows(torch.autograd.Function):
+    """``weight[start:end]`` of a weight replicated on every rank of ``group`` (a tied embedding);
+    the backward all-gathers the shard gradients (one uneven all-gather of ``[V, ...]``) so every
+    rank's replica gets the same full gradient and the replicas stay identical."""
+
+    @staticmethod
+    def forward(ctx, weight, start, end, sizes, group):
+        ctx.group, ctx.sizes = group, sizes
+        return weight[start:end].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_rows_uneven(grad, ctx.sizes, ctx.group), None, None, None, None
+
+
+class GatherVocab(torch.autograd.Function):
+    """Logits shard ``[..., V_local]`` -> full ``[..., V]`` (one uneven all-gather); the backward
+    keeps this rank's columns ``[start, end)`` (everything downstream is replicated across the group)."""
+
+    @staticmethod
+    def forward(ctx, logits, start, end, sizes, group):
+        ctx.start, ctx.end = start, end
+        full = all_gather_rows_uneven(logits.movedim(-1, 0), sizes, group)
+        return full.movedim(0, -1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.start:ctx.end].contiguous(), None, None, None, None

@@ -32,15 +32,17 @@ hidden is a DTensor, plain tensors otherwise.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def is_dtensor(t: object) -> bool:
-    return isinstance(t, DTensor)
+    """Without importing DTensor (~1 s): no tensor is a DTensor before its module is loaded."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _dim_name(mesh, d: int) -> str:
@@ -70,8 +72,10 @@ class LocalCall:
     wrap_tokens: Callable[[torch.Tensor], torch.Tensor]  # [N_padded] per-token -> output tensor
 
 
-def _weight_layout(weight: DTensor) -> int | None:
+def _weight_layout(weight) -> int | None:
     """The mesh dim on which ``weight`` is ``Shard(0)`` (None: replicated everywhere)."""
+    from torch.distributed.tensor import Replicate, Shard
+
     mesh, dims = weight.device_mesh, []
     for d, pl in enumerate(weight.placements):
         if isinstance(pl, Shard) and pl.dim == 0:
@@ -91,6 +95,8 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
            ignore_index: int) -> LocalCall:
     """Resolve a call with DTensor ``weight`` (and optionally ``hidden``/``bias``/``target``) into
     local tensors, the tensor-parallel group, and an output wrapper. See the module docstring."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
     if not is_dtensor(weight):
         for name, t in (("hidden", hidden), ("bias", bias), ("target", target)):
             if is_dtensor(t):

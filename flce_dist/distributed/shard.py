@@ -13,6 +13,9 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_rows
+from .groups import group_rank, group_size
+
 
 def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     """``(start, end)`` of ``rank``'s rows when ``vocab_size`` rows are split over ``world_size``."""
@@ -27,12 +30,9 @@ def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, start + q + (1 if rank < r else 0)
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
+def shard_sizes(vocab_size: int, world_size: int) -> list[int]:
+    """Rows of every rank under :func:`vocab_shard`."""
+    return [e - s for s, e in (vocab_shard(vocab_size, r, world_size) for r in range(world_size))]
 
 
 @lru_cache(maxsize=1024)
@@ -40,8 +40,6 @@ def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | N
                     n_tokens: int, signature: int) -> tuple[int, int]:
     # One all-gather of (start, size, tokens, call signature) per distinct (group, shard, call):
     # a host sync, once per shape, never on the steady-state hot path.
-    from .collectives import all_gather_rows
-
     me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, signature]],
                       dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
@@ -96,3 +94,15 @@ def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: in
         return 0, v_local
     dev = str(device) if dist.get_backend(group) == "nccl" else "cpu"
     return _resolve_cached(group, v_local, vocab_start, dev, int(n_tokens), int(signature))
+
+
+def resolve_call(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
+                 n_tokens: int, fields: tuple) -> tuple[int, int, str, int]:
+    """``(vocab_start, vocab_size, group name, group size)`` of a call: the shard checks of
+    :func:`resolve_shard`, with the call's ``fields`` (options, settings, shapes) compared across
+    ranks, and the group's name for the compiled op. Under torch.compile the API calls it through
+    ``torch.compiler.disable``: its collective and host sync stay out of compiled graphs."""
+    size = group_size(group)
+    sig = call_signature(*fields) if size > 1 else 0
+    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, sig)
+    return start, vocab, group.group_name if size > 1 else "", size

@@ -51,12 +51,31 @@ from typing import Any
 
 from torch import nn
 
+from ..distributed import group_size
+from ..options import LossOptions
 from . import transformers as _hf
+from .heads import HeadShard, head_shard, register_head_shard
 
 __all__ = ["SECTION", "enable", "initialize", "load_config", "options_from_config", "skip_cpu_shm_comm_build"]
 
 SECTION = "flce_dist"
-_KEYS = ("enabled", "ignore_index", "label_smoothing", "z_loss", "softcap", "temperature", "strategy", "deterministic")
+_KEYS = ("enabled", *LossOptions.keywords("math"))
+
+
+@register_head_shard
+def _autotp_head(head: nn.Module) -> HeadShard | None:
+    """DeepSpeed AutoTP: ``VocabParallelLinear`` (module_inject/layers.py) or a column-parallel
+    ``LinearLayer``: its rows, ``mp_group`` and ``vocab_start_index`` (else the partition sizes)."""
+    if not (hasattr(head, "mp_group") and hasattr(head, "_partition_sizes") and hasattr(head, "tp_index")):
+        return None
+    bias = getattr(head, "bias", None)
+    group = head.mp_group
+    if group is None or group_size(group) == 1:
+        return HeadShard(head.weight, bias)
+    start = getattr(head, "vocab_start_index", None)
+    if start is None:
+        start = sum(int(s) for s in head._partition_sizes[: head.tp_index])
+    return HeadShard(head.weight, bias, group, int(start))
 
 
 def load_config(config: str | os.PathLike | dict | None) -> dict:
@@ -107,8 +126,7 @@ def enable(engine_or_model: Any, **options: Any) -> Any:
     _hf.apply(model, **options)
     autotp = getattr(engine_or_model, "autotp_size", None)
     if callable(autotp) and autotp() > 1:
-        weight, _, group, _ = _hf._head_shard(model.get_output_embeddings())
-        if group is None:
+        if head_shard(model.get_output_embeddings()).group is None:
             warnings.warn("flce_dist: AutoTP is on but the lm_head is not vocabulary-sharded (set "
                           'tensor_parallel.vocab_parallel_lm_head to true); every rank computes the full-vocabulary loss',
                           stacklevel=2)

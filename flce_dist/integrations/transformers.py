@@ -55,9 +55,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import fused_linear_cross_entropy
+from ..distributed import GatherVocab, TiedShardRows, group_rank, group_size, shard_sizes, vocab_shard
 from ..modules import VocabParallelLMHead
-from ..distributed import group_rank, group_size, vocab_shard
-from ..distributed.collectives import all_gather_rows
+from ..options import LossOptions
+from .heads import HeadShard, head_shard, register_head_shard
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply", "is_applied", "unapply"]
 
@@ -77,7 +78,7 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "cohere": "multiply",  # logits = logits * model.logit_scale
 }
 _MOE_TYPES = {"qwen3_moe", "mixtral"}
-_LOSS_OPTIONS = ("ignore_index", "label_smoothing", "z_loss", "softcap", "temperature", "strategy", "deterministic")
+_LOSS_OPTIONS = LossOptions.keywords("math")  # reduction and the extra outputs are the model's business
 # per-call kwargs of transformers' loss_function that the base model must not receive
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
@@ -100,85 +101,38 @@ class _HeadTP:
 
 
 # --------------------------------------------------------------------------------------------
-# collectives with autograd
-
-
-def _vocab_sizes(vocab: int, group: dist.ProcessGroup) -> list[int]:
-    p = group_size(group)
-    return [e - s for s, e in (vocab_shard(vocab, r, p) for r in range(p))]
-
-
-def _gather_rows_uneven(t: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """All-gather ``t [sizes[rank], ...]`` from every rank into ``[sum(sizes), ...]`` (rank order)."""
-    width = max(sizes)
-    if t.shape[0] < width:
-        t = torch.cat([t, t.new_zeros((width - t.shape[0], *t.shape[1:]))])
-    out = all_gather_rows(t.contiguous(), group).view(len(sizes), width, *t.shape[1:])
-    return torch.cat([out[r, :n] for r, n in enumerate(sizes)])
-
-
-class _TiedShardRows(torch.autograd.Function):
-    """``weight[start:end]`` of a weight replicated on every rank of ``group``; the backward
-    all-gathers the shard gradients so every rank's replica gets the full ``[V, ...]`` gradient."""
-
-    @staticmethod
-    def forward(ctx, weight, start, end, group):
-        ctx.group, ctx.vocab = group, weight.shape[0]
-        return weight[start:end].clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows_uneven(grad, _vocab_sizes(ctx.vocab, ctx.group), ctx.group), None, None, None
-
-
-class _GatherVocab(torch.autograd.Function):
-    """Logits shard ``[..., V_local]`` -> full ``[..., V]``; backward keeps this rank's columns
-    (everything downstream is replicated across the group)."""
-
-    @staticmethod
-    def forward(ctx, logits, tp):
-        ctx.tp = tp
-        rows = logits.movedim(-1, 0)
-        full = _gather_rows_uneven(rows, _vocab_sizes(tp.vocab, tp.group), tp.group)
-        return full.movedim(0, -1).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[..., ctx.tp.start:ctx.tp.end].contiguous(), None
-
-
-# --------------------------------------------------------------------------------------------
 # the lm_head
 
 
-def _head_shard(head: nn.Module):
-    """``(weight, bias, group, vocab_start)`` of the lm_head as the fused loss must see it."""
-    bias = getattr(head, "bias", None)
+@register_head_shard
+def _sharded_by_apply(head: nn.Module) -> HeadShard | None:
+    """A head that ``apply(model, group=...)`` sharded: its rows, or for a tied (replicated)
+    weight a view of its rows whose backward all-gathers the shard gradients."""
     tp = head.__dict__.get("_flce_tp")
-    if tp is not None:
-        if tp.tied:
-            weight = _TiedShardRows.apply(head.weight, tp.start, tp.end, tp.group)
-            if bias is not None:
-                bias = _TiedShardRows.apply(bias, tp.start, tp.end, tp.group)
-            return weight, bias, tp.group, tp.start
-        return head.weight, bias, tp.group, tp.start
-    if hasattr(head, "mp_group") and hasattr(head, "_partition_sizes") and hasattr(head, "tp_index"):
-        # DeepSpeed AutoTP: VocabParallelLinear (module_inject/layers.py) or a column-parallel LinearLayer
-        sizes = [int(s) for s in head._partition_sizes]
-        group = head.mp_group
-        if group is None or group_size(group) == 1:
-            return head.weight, bias, None, None
-        start = getattr(head, "vocab_start_index", None)
-        if start is None:
-            start = sum(sizes[: head.tp_index])
-        return head.weight, bias, group, int(start)
-    if isinstance(head, VocabParallelLMHead):
-        return head.weight, bias, head.group, head.shard[0]
-    return head.weight, bias, None, None
+    if tp is None:
+        return None
+    bias = getattr(head, "bias", None)
+    if tp.tied:
+        sizes = shard_sizes(tp.vocab, group_size(tp.group))
+        weight = TiedShardRows.apply(head.weight, tp.start, tp.end, sizes, tp.group)
+        if bias is not None:
+            bias = TiedShardRows.apply(bias, tp.start, tp.end, sizes, tp.group)
+        return HeadShard(weight, bias, tp.group, tp.start)
+    return HeadShard(head.weight, bias, tp.group, tp.start)
+
+
+@register_head_shard
+def _vocab_parallel_lm_head(head: nn.Module) -> HeadShard | None:
+    if not isinstance(head, VocabParallelLMHead):
+        return None
+    if head.mesh is not None:  # DTensor parameters: the layout travels with them
+        return HeadShard(head.weight, head.bias)
+    return HeadShard(head.weight, head.bias, head.group, head.shard[0])
 
 
 def _head_loss(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
-    weight, bias, group, start = _head_shard(head)
+    shard = head_shard(head)
+    weight, bias, group, start = shard.weight, shard.bias, shard.group, shard.vocab_start
     if isinstance(head, VocabParallelLMHead):  # its own loss options, under apply()'s
         options = {**head.loss.options, **options}
     dev = hidden.device.type
@@ -200,7 +154,7 @@ def _patched_head_forward(self, input, *args, flce_target=None, flce_options=Non
     out = previous(input, *args, **kwargs) if previous is not None else type(self).forward(self, input, *args, **kwargs)
     tp = self.__dict__.get("_flce_tp")
     if tp is not None and not tp.tied:
-        out = _GatherVocab.apply(out, tp)
+        out = GatherVocab.apply(out, tp.start, tp.end, shard_sizes(tp.vocab, group_size(tp.group)), tp.group)
     return out
 
 
@@ -308,10 +262,7 @@ def _logical_shape(p: torch.Tensor) -> tuple[int, ...]:
 
 
 def _check_options(options: dict[str, Any]) -> None:
-    unknown = set(options) - set(_LOSS_OPTIONS)
-    if unknown:
-        raise TypeError(f"flce_dist.integrations.transformers.apply: unknown loss option(s) {sorted(unknown)}; "
-                        f"allowed: {list(_LOSS_OPTIONS)}")
+    LossOptions.check_keywords(options, "flce_dist.integrations.transformers.apply", "math")
 
 
 def is_applied(model: nn.Module) -> bool:
@@ -337,8 +288,7 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None or len(_logical_shape(head.weight)) != 2:
         raise ValueError(f"{type(model).__name__}.get_output_embeddings() must be a module with a 2-D weight")
-    if "softcap" in loss_options and loss_options["softcap"] is not None and not float(loss_options["softcap"]) > 0:
-        raise ValueError(f"softcap must be None or > 0, got {loss_options['softcap']}")
+    LossOptions(**loss_options)  # validate the values now, not at the first forward
 
     if is_applied(model):
         if group is not None:

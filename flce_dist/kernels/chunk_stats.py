@@ -23,7 +23,8 @@ import helion
 import helion.language as hl
 import torch
 
-from . import SETTINGS
+from ..formulas import acc_dtype, transform
+from .common import SETTINGS
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)
@@ -66,3 +67,20 @@ def chunk_stats(
         sumy[tile_n] = sy_i
         ymax[tile_n] = m_i
     return lse, tgt, sumy, ymax
+
+
+def chunk_stats_reference(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float,
+                          with_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's math in torch: ``(lse, tgt, sumy, ymax)`` of ``z [Nc, V]``. Used where the kernel
+    cannot run (Helion 1.4 mis-compiles size-1 dims) and by the tests. An empty chunk or shard gives
+    lse = max = -inf and zero sums."""
+    ct = acc_dtype(z.dtype)
+    if z.numel() == 0:
+        inf = torch.full((z.shape[0],), float("-inf"), dtype=ct, device=z.device)
+        zero = torch.zeros(z.shape[0], dtype=ct, device=z.device)
+        return inf, zero, zero.clone(), inf.clone()
+    y = transform(z, scale, softcap)
+    hit = target_local >= 0
+    t = torch.where(hit, y.gather(1, target_local.clamp(min=0).long()[:, None])[:, 0], torch.zeros_like(y[:, 0]))
+    sy = y.sum(1) if with_sum else torch.zeros_like(t)
+    return torch.logsumexp(y, 1), t, sy, y.amax(1)

@@ -16,7 +16,7 @@ Algorithm (per rank; ``W`` is this rank's ``[V, H]`` shard):
 
 The partials (``[ceil(V/BV), N]`` float32 each, 1/BV of the logits) are merged by the caller
 into the shard's logsumexp and target logit. A grid over token tiles only gives N/BN programs
-(64 at N=8192) for 132 SMs; this grid keeps the matmul's parallelism (SPEC §6: 1.05x cuBLAS).
+(64 at N=8192) for 132 SMs; this grid keeps the matmul's parallelism (measured on the H200: 1.05x cuBLAS, benchmarks/NOTES.md).
 
 Shapes: x [N, H], w [V, H], bias [V] (or a [1] dummy with ``has_bias=False``),
 target_local [N] int32 (-1 where the target is ignored or outside the shard), z_out [N, V] in x's
@@ -31,7 +31,8 @@ import helion
 import helion.language as hl
 import torch
 
-from . import SETTINGS
+from .chunk_stats import chunk_stats_reference
+from .common import SETTINGS
 
 
 @helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
@@ -81,3 +82,23 @@ def lse_forward_partials(
         if with_sum:
             psumy[tile_v.id, tile_n] = torch.sum(torch.where(valid, y, 0.0), dim=1)
     return pmax, psum, ptgt, psumy
+
+
+def merge_partials(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, psumy: torch.Tensor,
+                   with_sum: bool) -> torch.Tensor:
+    """The kernel's ``[ceil(V/BV), N]`` partials merged over vocab tiles into ``[N, 4]`` stats
+    (shard lse, target logit, sum of logits, max logit)."""
+    m = pmax.amax(0)
+    lse = m + torch.log((psum * torch.exp(pmax - m)).sum(0))
+    sumy = psumy.sum(0) if with_sum else torch.zeros_like(m)
+    return torch.stack([lse, ptgt.sum(0), sumy, m], dim=1)
+
+
+def lse_forward_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
+                          scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's math in torch (full logits of ``x``, rounded to x's dtype, as the kernel does):
+    ``[N, 4]`` stats; the logits go to ``z_out`` when given."""
+    z = torch.mm(x, w.T) if bias is None else torch.addmm(bias, x, w.T)
+    if z_out is not None:
+        z_out.copy_(z)
+    return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum), dim=1)

@@ -1,0 +1,53 @@
+"""The chunk plan: how many rows of logits one materialised chunk holds.
+
+Both strategies of ``core.py`` materialise the logits one chunk at a time (the fused strategy by
+token chunks, the recompute backward by vocabulary chunks); this is the only memory that grows with
+V. The plan depends only on its arguments (shapes, dtype, device type, tensor-parallel size and the
+call's ``Settings``), never on free memory: under tensor parallelism the fused strategy issues one
+collective per token chunk, so every rank must plan the same chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .settings import Settings
+
+EXTRA_BYTES = 1 << 30  # the loss's own memory beyond its inputs and the gradients it returns (the quality bar of SPEC section 5, restated in the README)
+HEADROOM_BYTES = 64 << 20  # what lives beside the chunk: per-tile partials (32 MiB at llama3), stats, targets
+CPU_CHUNK_BYTES = 256 << 20
+
+
+def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, settings: Settings,
+               reserved_bytes: int = 0, share: int = 1) -> int:
+    """Rows per materialised logits chunk: the byte budget over the row size, then balanced.
+
+    Budget: ``settings.chunk_bytes``, else on CUDA ``(EXTRA_BYTES - HEADROOM_BYTES) / share -
+    reserved_bytes`` (at least 64 MiB), where ``reserved_bytes`` are the caller's other buffers that
+    are not returned gradients (the recompute strategy's float32 dX accumulator) and ``share`` is the
+    tensor-parallel size, so that each rank holds 1/P of the single-GPU plan's memory; else (CPU)
+    256 MiB. Rows are a multiple of 128 where the total allows, and the chunks are balanced:
+    ceil(total / rows) chunks of equal size (no small tail chunk, whose matmuls run inefficiently).
+
+    Measured on the H200, bf16, N=8192 (benchmarks/NOTES.md, run 11): 384 MiB / 512 MiB / 1 GiB
+    chunks ran gemma at 1.35x / 1.26x / 1.14x three matmuls (llama3 1.13x / 1.09x / 1.08x): every
+    chunk re-reads and re-writes the whole dW, and a chunk of few rows gives cuBLAS thin matmuls.
+    """
+    if settings.chunk_bytes is not None:
+        budget = settings.chunk_bytes
+    elif device.type == "cuda":
+        budget = max(64 << 20, (EXTRA_BYTES - HEADROOM_BYTES) // max(1, share) - reserved_bytes)
+    else:
+        budget = CPU_CHUNK_BYTES
+    if total <= 0:
+        return 1
+    rows = max(1, budget // max(1, row_elems * elem_size))
+    if rows >= 256:
+        rows = rows // 128 * 128
+    if rows >= total:
+        return total
+    chunks = -(-total // rows)
+    even = -(-total // chunks)
+    if rows >= 256:  # round up to a multiple of 128: still <= rows, and still `chunks` chunks
+        even = -(-even // 128) * 128
+    return even

@@ -1,0 +1,268 @@
+"""The forward/backward core: the only place where kernels and collectives meet.
+
+Two thin adapters call it: ``autograd.FLCEFunction`` (eager) and the ``torch.library`` ops of
+``compile_op.py`` (under ``torch.compile``).
+
+Notation (per rank of a TP group of size P): x [N, H] (all tokens; under sequence parallelism the
+gathered ones), W [V_r, H] this rank's shard, stats [N, 4] = (lse, target logit, sum of logits,
+max logit).
+
+Two strategies share every kernel and collective:
+
+* ``recompute`` (any reduction; forward-only / evaluation):
+    forward   lse_forward kernel (x @ W.T tile by tile, never stored) -> local stats
+              -> ONE all-gather of stats -> global lse, loss        1 matmul
+    backward  per vocab chunk c: z = x @ W_c.T (cuBLAS) -> chunk_grad_ kernel (dz in place)
+              -> dW_c = dz.T @ x (local) and dX += dz @ W_c          3 matmuls
+              -> dX all-reduce started before the last chunk's dW matmul, so it overlaps it.
+* ``fused`` (scalar reductions with a gradient; the default there): per token chunk n:
+    lse_forward kernel: z = x_n @ W.T stored + its stats in one pass (or cuBLAS + chunk_stats,
+    ``Settings(logits_backend="cublas")``) -> all-gather of the chunk's stats -> global lse
+    -> chunk_grad_ kernel -> dX_n = dz @ W (async all-reduce of the chunk) and dW += dz.T @ x_n
+    3 matmuls in all; backward only scales the stored dX, dW by grad_output (in place; a second
+    backward through the same graph recomputes). All ranks plan the same chunks.
+
+Memory: one logits chunk (``chunking.chunk_rows``) plus dX/dW; never [N, V_r].
+
+Determinism: no atomics anywhere; every reduction is a fixed-order tile reduction, a torch
+reduction or a cuBLAS matmul, and the chunk plan depends only on the call's shapes, so one GPU is
+bitwise reproducible run to run. Across ranks the only order not fixed by this code is NCCL's
+all-reduce / reduce-scatter of dX; ``deterministic=True`` replaces them (see ``collectives.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .chunking import chunk_rows
+from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
+                          reduce_scatter_rows)
+from .formulas import acc_dtype, mean_denominator
+from .kernels import launch as K
+from .options import FLCEParams
+
+
+def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Tensor:
+    """Shard-local target ids (int32: the kernels compare them with int32 tile indices; int64
+    compares are emulated on the GPU); -1 where the target is ignored or owned by another rank."""
+    tl = target - p.vocab_start
+    ok = (tl >= 0) & (tl < v_local) & (target != p.ignore_index)
+    return torch.where(ok, tl, torch.full_like(tl, -1)).to(torch.int32)
+
+
+def token_loss(stats: torch.Tensor, valid: torch.Tensor, p: FLCEParams) -> torch.Tensor:
+    """Per-token loss from the global stats: lse - (1-eps) y_t - eps/V sum_v y + zl lse^2."""
+    lse, t, sumy, _ = stats.unbind(1)
+    loss = lse - (1.0 - p.label_smoothing) * t
+    if p.label_smoothing > 0:
+        loss = loss - (p.label_smoothing / p.vocab_size) * sumy
+    if p.z_loss > 0:
+        loss = loss + p.z_loss * lse * lse
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def row_weights(valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows."""
+    w = valid.to(dtype)
+    if p.reduction == "mean":
+        w = w / mean_denominator(valid, num_items, dtype)
+    return w
+
+
+def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None) -> torch.Tensor:
+    if p.reduction == "none":
+        return loss
+    total = loss.sum()
+    if p.reduction == "sum":
+        return total
+    return total / mean_denominator(valid, num_items, torch.float32)
+
+
+def uses_fused(needs_grad: bool, reduction: str, strategy: str) -> bool:
+    """Whether a call takes the fused strategy (gradient formed in the forward)."""
+    return needs_grad and reduction != "none" and strategy in ("auto", "fused")
+
+
+def _grad_kw(p: FLCEParams) -> dict:
+    return dict(scale=p.logit_scale, eps_over_v=p.label_smoothing / p.vocab_size,
+                one_minus_eps=1.0 - p.label_smoothing, two_zl=2.0 * p.z_loss, softcap=p.cap, settings=p.settings)
+
+
+def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
+                  p: FLCEParams, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Global per-token stats [N, 4] without keeping logits (one collective). An empty batch or
+    shard gets (-inf, 0, 0, -inf) rows from the empty-chunk path of ``kernels.launch.lse_forward``."""
+    return combine_stats(K.lse_forward(x, w, b, tl, p.logit_scale, p.cap, p.needs_sum, p.settings), group)
+
+
+def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
+                           g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None):
+    """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
+    token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded)."""
+    n, _ = x.shape
+    v = w.shape[0]
+    # Every rank must plan the same token chunks (one stats all-gather per chunk): plan with the
+    # largest shard of an even split, ceil(V / P), not this rank's own size, and 1/P of the budget.
+    # dX and dW are the returned gradients, so they are not charged to the budget.
+    tp = group_size(group)
+    v_plan = -(-p.vocab_size // tp)
+    rows = chunk_rows(n, v_plan, x.element_size(), x.device, p.settings, share=tp)
+    stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(w)  # the first chunk writes it (no zero fill), later chunks accumulate
+    if n == 0:
+        dw.zero_()
+    db = torch.zeros(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None else None
+    kw = _grad_kw(p)
+    handles = []
+    sp = p.sequence_parallel
+    helion_logits = p.settings.logits_backend == "helion" and not K.cublas_logits(x)
+    # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
+    zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
+    for i in range(0, n, rows):
+        xc, tc = x[i:i + rows], tl[i:i + rows]
+        z = zbuf[: xc.shape[0]]
+        if helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
+            local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z)
+        else:  # cuBLAS logits, then one read of them for the statistics
+            K.logits(xc, w, b, out=z)
+            local = K.chunk_stats(z, tc, p.logit_scale, p.cap, p.needs_sum, p.settings)
+        st = combine_stats(local, group)
+        stats[i:i + rows] = st
+        K.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
+        torch.mm(z, w, out=dx[i:i + rows])
+        if not sp and not p.deterministic:
+            h = all_reduce_async(dx[i:i + rows], group)
+            if h is not None:
+                handles.append(h)
+        if i == 0:
+            torch.mm(z.T, xc, out=dw)
+        else:
+            dw.addmm_(z.T, xc)
+        if db is not None:
+            db += z.sum(0, dtype=db.dtype)
+    for h in handles:
+        h.wait()
+    if p.deterministic and not sp:
+        all_reduce_deterministic_(dx, group)
+    return stats, dx, dw, db
+
+
+def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
+                       lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None):
+    """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks."""
+    n, _ = x.shape
+    v = w.shape[0]
+    acc = acc_dtype(x.dtype)
+    # the float32 dX accumulator is the one buffer besides the chunk that is not a returned gradient
+    cols = chunk_rows(v, n, x.element_size(), x.device, p.settings, reserved_bytes=x.numel() * acc.itemsize,
+                      share=group_size(group))
+    dx = torch.zeros(x.shape, dtype=acc, device=x.device)
+    dw = torch.empty_like(w)
+    db = torch.empty(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None else None
+    kw = _grad_kw(p)
+    handle = None
+    out = dx
+    if n == 0:
+        v = 0
+        dw.zero_()
+        if db is not None:
+            db.zero_()
+    for j in range(0, v, cols):
+        wc = w[j:j + cols]
+        z = K.logits(x, wc, None if b is None else b[j:j + cols])
+        K.chunk_grad_(z, tl - j, lse, g, **kw)  # tl - j stays int32
+        dx += torch.mm(z, wc)
+        if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
+            out = dx.to(x.dtype)
+            if not p.sequence_parallel and not p.deterministic:
+                handle = all_reduce_async(out, group)
+        torch.mm(z.T, x, out=dw[j:j + cols])
+        if db is not None:
+            db[j:j + cols] = z.sum(0, dtype=db.dtype)
+    if v == 0:
+        out = dx.to(x.dtype)
+        if not p.sequence_parallel and not p.deterministic:
+            handle = all_reduce_async(out, group)
+    if handle is not None:
+        handle.wait()
+    if p.deterministic and not p.sequence_parallel:
+        all_reduce_deterministic_(out, group)
+    return out, dw, db
+
+
+def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                 num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool):
+    """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
+
+    Returns ``loss, lse, correct, pre, saved``: ``pre`` = (dX, dW, db) formed by the fused strategy
+    (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid), what the
+    recompute backward needs."""
+    sp = p.sequence_parallel and group_size(group) > 1
+    x = all_gather_rows(hidden, group) if sp else hidden
+    tgt = all_gather_rows(target, group) if sp else target
+    n_in = hidden.shape[0]
+    tl = local_targets(tgt, p, weight.shape[0])
+    valid = tgt != p.ignore_index
+    pre = None
+    if uses_fused(needs_grad, p.reduction, p.strategy):
+        g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
+        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
+        if sp:
+            dx = reduce_scatter_rows(dx, group, p.deterministic)
+        pre = (dx, dw, db)
+    else:
+        stats = forward_stats(x, weight, bias, tl, p, group)
+    loss_rows = token_loss(stats, valid, p)
+    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device
+    # assert, no host sync; the API raises instead where the check is free, on CPU).
+    bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
+    loss_rows = torch.where(bad, torch.full_like(loss_rows, float("nan")), loss_rows)
+    rank_slice = slice(0, n_in)
+    if sp:
+        r = dist.get_rank(group)
+        rank_slice = slice(r * n_in, (r + 1) * n_in)
+    if p.reduction == "none":
+        loss = loss_rows[rank_slice].to(acc_dtype(hidden.dtype))
+    else:
+        loss = reduce_loss(loss_rows, valid, p, num_items)
+    lse = stats[rank_slice, 0].clone()
+    # token accuracy: the target's logit is the row max over all shards (ties count as correct)
+    correct = (valid & (stats[:, 1] >= stats[:, 3]))[rank_slice]
+    return loss, lse, correct, pre, (x, tl, stats[:, 0].contiguous(), valid)
+
+
+def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,
+                      grad_loss: torch.Tensor, w_dtype: torch.dtype, inplace: bool = True):
+    """The fused strategy's backward: its dX, dW, db times grad_output (in place unless ``inplace=False``)."""
+    ref = dx if dx is not None else dw
+    go = grad_loss.to(acc_dtype(ref.dtype) if ref is not None else torch.float32)
+    scaled = [t for t in (dx, dw) if t is not None and t.numel()]
+    if scaled and inplace:
+        # one vectorised multi-tensor pass (its fast route wants the scalar in the tensors'
+        # dtype); mul_ by a 0-d CUDA tensor takes torch's broadcasting kernel: 1.5 ms at llama3
+        torch._foreach_mul_(scaled, go.to(scaled[0].dtype))
+    elif scaled:
+        dx, dw = (None if t is None else t * go.to(t.dtype) for t in (dx, dw))
+    db = (db * go).to(w_dtype) if db is not None else None
+    return dx, dw, db
+
+
+def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
+                    valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
+                    group: dist.ProcessGroup | None):
+    """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype)."""
+    sp = p.sequence_parallel and group_size(group) > 1
+    g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
+    if p.reduction == "none":
+        go = grad_loss.to(g.dtype)
+        go = all_gather_rows(go.contiguous(), group) if sp else go
+        g = g * go
+    else:
+        g = g * grad_loss.to(g.dtype)
+    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group)
+    if sp:
+        dx = reduce_scatter_rows(dx, group, p.deterministic)
+    return dx, dw, None if db is None else db.to(w.dtype)

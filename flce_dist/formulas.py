@@ -1,0 +1,26 @@
+"""Small formulas shared by the kernels' torch references, the autograd core and the reference.
+
+``transform``         the logit transform: ``y = z / temperature``, then ``c * tanh(y / c)`` (softcap)
+``acc_dtype``         the dtype statistics and accumulators use: float64 for float64 inputs, else float32
+``mean_denominator``  what ``reduction="mean"`` divides by: ``num_items_in_batch`` if given, else the
+                      number of non-ignored tokens; at least 1 (an all-ignored batch has loss 0)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def transform(z: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """``z * scale`` then ``softcap * tanh(. / softcap)`` (``softcap`` 0: none), in ``acc_dtype``."""
+    y = z.to(acc_dtype(z.dtype)) * scale
+    return softcap * torch.tanh(y / softcap) if softcap > 0 else y
+
+
+def mean_denominator(valid: torch.Tensor, num_items: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    denom = num_items if num_items is not None else valid.sum()
+    return torch.as_tensor(denom, device=valid.device).to(dtype).clamp(min=1)

@@ -1,0 +1,205 @@
+"""Kernel launch: shipped configs, block sizes, and the typed entry points the autograd core calls.
+
+Configs live in ``configs/helion/<arch>.json`` (arch: ``h200`` for sm_90, ``sm<major><minor>`` for
+other GPUs, ``cpu`` for reference mode; another directory through ``Settings.config_dir``): for each
+kernel and dtype class a ``block`` dict (block sizes, passed to the kernel as constexpr arguments so
+that reference mode also runs several tiles) and a ``config`` dict (``helion.Config`` fields). A first
+call never autotunes; a shape outside the shipped classes uses the ``default`` entry; missing files
+or entries fall back to ``DEFAULTS`` below. ``python -m flce_dist.tune`` writes new entries.
+
+Entry points (each falls back to its kernel file's torch reference where the kernel cannot run):
+
+    logits(x, w, bias, out)          cuBLAS x @ w.T (+ bias)
+    lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out)
+    chunk_stats(z, tl, ...)          [Nc, 4] stats of a materialised chunk
+    chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits
+
+Helion is imported on the first launch, not with this module. On a CPU tensor the first launch
+needs Helion's reference mode (``flce_dist.setup_reference_mode()``).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..chunking import chunk_rows
+from ..settings import Settings
+
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "helion"
+
+# Built-in defaults, used where no config file is found (e.g. an installed wheel without configs/).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "lse_forward": {
+        "block": {"block_n": 256, "block_v": 128, "block_h": 64},
+        "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8]},
+    },
+    "chunk_stats": {"block": {"block_n": 4, "block_v": 1024}, "config": {"num_warps": 8, "num_stages": 2}},
+    "chunk_grad": {"block": {"block_n": 32, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 2}},
+}
+CPU_DEFAULTS: dict[str, dict[str, Any]] = {
+    "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
+    "chunk_stats": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
+    "chunk_grad": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
+}
+# the kernels' trailing constexpr block-size arguments, in order
+BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"),
+               "chunk_grad": ("block_n", "block_v")}
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    major, minor = torch.cuda.get_device_capability(device)
+    return {(9, 0): "h200"}.get((major, minor), f"sm{major}{minor}")
+
+
+@lru_cache(maxsize=None)
+def load_configs(arch: str, config_dir: str | None = None) -> dict[str, Any]:
+    path = Path(config_dir or DEFAULT_CONFIG_DIR) / f"{arch}.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def dtype_class(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
+
+
+def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = "", h: int | None = None,
+          settings: Settings = Settings()) -> dict[str, Any]:
+    """The shipped entry for ``kernel`` on ``device`` at ``dtype`` (``default`` if none).
+    ``variant`` (e.g. ``"store"``: ``lse_forward`` writing the logits too) looks up
+    ``<kernel>_<variant>`` first and falls back to the kernel's own entries. ``h`` (the hidden size,
+    for ``lse_forward``) selects a shape-class entry ``"<dtype>@h<h>"`` ahead of the dtype's own:
+    the K loop's length sets how much of each tile's time the softmax epilogue takes.
+    ``settings.blocks`` overrides the block sizes."""
+    arch = arch_of(device)
+    configs = load_configs(arch, settings.config_dir)
+    table = configs.get(kernel, {})
+    special = configs.get(f"{kernel}_{variant}", {}) if variant else {}
+    fallback = (CPU_DEFAULTS if arch == "cpu" else DEFAULTS)[kernel]
+    dc = dtype_class(dtype)
+    keys = ([f"{dc}@h{h}"] if h is not None else []) + [dc]
+    e = (next((special[k] for k in keys if k in special), None) or next((table[k] for k in keys if k in table), None)
+         or table.get("default") or fallback)
+    block = {**fallback["block"], **e.get("block", {}), **settings.block_overrides(kernel)}
+    return {"block": block, "config": e.get("config", {})}
+
+
+@lru_cache(maxsize=None)
+def _kernels() -> dict[str, Any]:
+    """The Helion kernels, imported on first use (Helion reads HELION_INTERPRET when they are made)."""
+    from .chunk_grad import chunk_grad_
+    from .chunk_stats import chunk_stats
+    from .lse_forward import lse_forward_partials
+
+    return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats, "chunk_grad": chunk_grad_}
+
+
+_CONFIGURED: set[int] = set()
+
+
+def _ensure_mode(device: torch.device) -> None:
+    if device.type == "cpu":
+        from ..reference_mode import reference_mode_active, setup_reference_mode
+
+        if not reference_mode_active():
+            raise RuntimeError("flce_dist kernels on CPU tensors run in Helion's reference mode: call "
+                               "flce_dist.setup_reference_mode() first (or set HELION_INTERPRET=1)")
+        setup_reference_mode()  # idempotent: the CPU aten::mm.dtype that reference-mode hl.dot needs
+
+
+def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
+            variant: str = "", h: int | None = None) -> Any:
+    _ensure_mode(device)
+    e = entry(name, device, dtype, variant, h, settings)
+    block = e["block"]
+    full = (*args, *(block[k] for k in BLOCK_ORDER[name]))
+    bound = _kernels()[name].bind(full)
+    if id(bound) not in _CONFIGURED:
+        if device.type == "cuda":
+            import helion
+
+            bound.set_config(helion.Config(**e["config"]))
+        _CONFIGURED.add(id(bound))
+        with warnings.catch_warnings():  # the first call compiles: see kernels/common.py
+            warnings.filterwarnings("ignore", message="max_num_sm_multipler is reduced", category=UserWarning)
+            return bound(*full)
+    return bound(*full)
+
+
+def _degenerate(*sizes: int) -> bool:
+    """Helion 1.4 mis-compiles size-1 dims ("can only unsplat single-element tensors"): shapes with a
+    dimension below 2 take the kernel file's torch reference (CPU reference mode included)."""
+    return min(sizes) < 2
+
+
+def logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` by cuBLAS, into ``out`` when given."""
+    return torch.mm(x, w.T, out=out) if bias is None else torch.addmm(bias, x, w.T, out=out)
+
+
+def cublas_logits(x: torch.Tensor) -> bool:
+    """Inputs whose logits come from cuBLAS/torch matmuls (then ``chunk_stats``), not ``lse_forward``:
+    float64 (``hl.dot`` has none) and float32 on CUDA. Helion 1.4's float32 ``hl.dot`` at
+    ``dot_precision="ieee"`` ran 57x slower than cuBLAS on the H200 (benchmarks/NOTES.md, run 8),
+    and cuBLAS follows the caller's ``torch.backends.cuda.matmul.allow_tf32`` exactly as torch does.
+    (CPU float32 keeps the Helion kernel: reference mode is how CI covers it.)"""
+    return x.dtype == torch.float64 or (x.dtype == torch.float32 and x.device.type == "cuda")
+
+
+def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
+                scale: float, softcap: float, with_sum: bool, settings: Settings,
+                z_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
+    (float64 for float64); the logits are written to ``z_out`` [N, V] when given (the fused strategy),
+    else never stored."""
+    if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x):
+        # size-1 dims (Helion 1.4 bug), float64 and CUDA float32: cuBLAS logits + chunk_stats,
+        # token chunk by token chunk when nothing asks for the logits (memory O(chunk))
+        def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum, settings)
+
+        n = x.shape[0]
+        rows = n if z_out is not None or n == 0 else chunk_rows(n, w.shape[0], x.element_size(), x.device, settings)
+        if rows >= n:
+            return stats(x, target_local, z_out)
+        return torch.cat([stats(x[i:i + rows], target_local[i:i + rows], None) for i in range(0, n, rows)])
+    from .lse_forward import merge_partials
+
+    b = bias if bias is not None else w.new_zeros(1)
+    zo = z_out if z_out is not None else x.new_empty(1, 1)
+    parts = _launch("lse_forward", (x, w, b, target_local, zo, float(scale), float(softcap), bool(bias is not None),
+                                    z_out is not None, bool(with_sum)),
+                    x.device, x.dtype, settings, "store" if z_out is not None else "", x.shape[1])
+    return merge_partials(*parts, with_sum)
+
+
+def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,
+                settings: Settings) -> torch.Tensor:
+    """Per-row ``[Nc, 4]`` stats (lse, target logit, sum, max) of a materialised logits chunk ``z``."""
+    if z.numel() == 0 or _degenerate(*z.shape):
+        from .chunk_stats import chunk_stats_reference
+
+        return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum), dim=1)
+    out = _launch("chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum)), z.device, z.dtype,
+                  settings)
+    return torch.stack(out, dim=1)
+
+
+def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
+                eps_over_v: float, one_minus_eps: float, two_zl: float, softcap: float,
+                settings: Settings) -> torch.Tensor:
+    """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py)."""
+    if z.numel() == 0:
+        return z
+    if _degenerate(*z.shape):
+        from .chunk_grad import chunk_grad_reference_
+
+        return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap)
+    return _launch("chunk_grad", (z, target_local, lse, g, float(scale), float(eps_over_v), float(one_minus_eps),
+                                  float(two_zl), float(softcap)), z.device, z.dtype, settings)

@@ -1,0 +1,170 @@
+"""The loss options: ``LossOptions`` is their single source of truth.
+
+Each option is one dataclass field: its default, its meaning (``doc``) and its check live here, and
+everything else is derived from the fields: the keyword names that ``fused_linear_cross_entropy``,
+``FusedLinearCrossEntropyLoss``, ``VocabParallelLMHead`` and the integrations accept
+(``LossOptions.keywords()``), the validation of a call (``__post_init__``: a ``TypeError`` or
+``ValueError`` naming the option), the cross-rank call signature (``signature()``), and the
+serialised form that the ``torch.compile`` custom op carries (``FLCEParams.encode``).
+
+Adding an option = one field here, its keyword in ``api.fused_linear_cross_entropy``'s signature
+(checked against the fields by a test), and its math (``core.py`` or a kernel).
+
+``FLCEParams`` is what travels through the autograd core: the options, this rank's vocabulary slice
+and the execution ``Settings``; its attributes read through to the options.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+import numbers
+from functools import lru_cache
+from typing import Any, Callable
+
+from .settings import Settings
+
+
+def _int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {v!r}")
+    if not -(2**63) <= int(v) < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {v}")
+    return int(v)
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, (bool, numbers.Integral)) or v not in (0, 1):
+        raise TypeError(f"{name} must be a bool, got {v!r}")
+    return bool(v)
+
+
+def _float(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def _choice(*allowed: str) -> Callable[[str, Any], str]:
+    def check(name: str, v: Any) -> str:
+        if v not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
+        return v
+    return check
+
+
+def _in(lo: float, hi: float | None, *, lo_open: bool = False, hi_open: bool = True) -> Callable[[str, Any], float]:
+    def check(name: str, v: Any) -> float:
+        v = _float(name, v)
+        ok = (v > lo if lo_open else v >= lo) and (hi is None or (v < hi if hi_open else v <= hi))
+        if not ok:
+            lb, rb = "(" if lo_open else "[", ")" if hi_open or hi is None else "]"
+            raise ValueError(f"{name} must be in {lb}{lo}, {'inf' if hi is None else hi}{rb}, got {v}")
+        return v
+    return check
+
+
+def _softcap(name: str, v: Any) -> float | None:
+    return None if v is None else _in(0.0, None, lo_open=True)(name, v)
+
+
+KINDS = ("math", "call", "output")
+
+
+def option(default: Any, check: Callable[[str, Any], Any], doc: str, kind: str = "math") -> Any:
+    """One option. ``kind``: ``"math"`` (what is computed; every integration accepts it), ``"call"``
+    (the call's shape: reduction, sequence parallelism) or ``"output"`` (extra return values)."""
+    return dataclasses.field(default=default, metadata={"check": check, "doc": doc, "kind": kind})
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """The options of one loss call (see the README's option table; ``doc`` of each field)."""
+
+    ignore_index: int = option(-100, _int, "targets equal to it give loss 0 and no gradient")
+    reduction: str = option("mean", _choice("mean", "sum", "none"),
+                            "'mean' (over non-ignored tokens, or num_items_in_batch), 'sum', 'none' (per token)", "call")
+    label_smoothing: float = option(0.0, _in(0.0, 1.0), "loss = lse - (1-eps) y_t - eps/V sum_v y_v (V global)")
+    z_loss: float = option(0.0, _in(0.0, None), "adds z_loss * lse**2 per token")
+    softcap: float | None = option(None, _softcap, "logits become c * tanh(z / c) before everything else")
+    temperature: float = option(1.0, _in(0.0, None, lo_open=True), "logits become z / temperature (before softcap)")
+    sequence_parallel: bool = option(False, _bool, "hidden/target are this rank's token slice (all-gathered in, "
+                                     "dX reduce-scattered out)", "call")
+    strategy: str = option("auto", _choice("auto", "fused", "recompute"),
+                           "'fused' (gradient formed in the forward), 'recompute', or 'auto'")
+    deterministic: bool = option(False, _bool, "bitwise reproducible dX sums across ranks (rank-ordered)")
+    return_lse: bool = option(False, _bool, "also return the global per-token lse", "output")
+    return_token_accuracy: bool = option(False, _bool, "also return per-token target == argmax (bool)", "output")
+    check_finite: bool = option(False, _bool, "raise FloatingPointError if the loss is not finite (a host sync)")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
+
+    @classmethod
+    def keywords(cls, *kinds: str) -> tuple[str, ...]:
+        """The option names (of the given kinds; all without), in field order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if not kinds or f.metadata["kind"] in kinds)
+
+    @classmethod
+    def check_keywords(cls, given: Any, where: str, *kinds: str) -> None:
+        allowed = cls.keywords(*kinds)
+        unknown = set(given) - set(allowed)
+        if unknown:
+            raise TypeError(f"{where}: unknown loss option(s) {sorted(unknown)}; allowed: {list(allowed)}")
+
+    def replace(self, **changes: Any) -> "LossOptions":
+        return dataclasses.replace(self, **changes)
+
+    def signature(self) -> tuple:
+        """The fields every rank of a group must agree on (all but the extra outputs), in field order."""
+        return tuple(getattr(self, k) for k in self.keywords("math", "call"))
+
+    # derived values used by the math
+    @property
+    def cap(self) -> float:
+        """softcap as the kernels take it: 0.0 disables."""
+        return 0.0 if self.softcap is None else self.softcap
+
+    @property
+    def logit_scale(self) -> float:
+        return 1.0 / self.temperature
+
+    @property
+    def needs_sum(self) -> bool:
+        return self.label_smoothing > 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FLCEParams:
+    """What the autograd core receives: this rank's vocabulary slice, the options and the settings.
+    Option attributes read through (``p.reduction`` is ``p.options.reduction``)."""
+
+    vocab_start: int
+    vocab_size: int
+    options: LossOptions = LossOptions()
+    settings: Settings = Settings()
+
+    def __getattr__(self, name: str) -> Any:  # only called for names that are not fields
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.options, name)
+
+    def encode(self) -> str:
+        """The one string the ``torch.compile`` custom ops carry instead of positional options: the
+        ``repr`` of plain values (TorchDynamo folds it to a constant; it cannot trace ``json``)."""
+        opts = tuple(getattr(self.options, k) for k in _OPTION_NAMES)
+        return repr((self.vocab_start, self.vocab_size, opts, self.settings.astuple()))
+
+    @staticmethod
+    @lru_cache(maxsize=256)
+    def decode(text: str) -> "FLCEParams":
+        start, vocab, opts, settings = ast.literal_eval(text)
+        return FLCEParams(start, vocab, LossOptions(*opts), Settings(*settings))
+
+
+_OPTION_NAMES = LossOptions.keywords()

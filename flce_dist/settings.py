@@ -1,0 +1,116 @@
+"""Execution settings: how the loss is computed, never what it computes.
+
+``Settings`` is a frozen, hashable object: the byte budget of one materialised logits chunk, the
+fused strategy's logits backend, kernel block-size overrides and the Helion config directory. A call
+takes it explicitly (``fused_linear_cross_entropy(..., settings=Settings(chunk_bytes=...))``) or uses
+the current default: the innermost ``override(...)`` block, else the documented environment
+defaults below (meant for benchmarks; read at call time, never at import).
+
+=====================  ==========================  ==============================================
+field                  environment default          meaning
+=====================  ==========================  ==============================================
+``chunk_bytes``        ``FLCE_CHUNK_MB`` (MiB)      budget of one logits chunk; None: the plan in
+                                                    ``chunking.py`` (CUDA: 1 GiB - 64 MiB over P)
+``logits_backend``     ``FLCE_FUSED_LOGITS``        fused strategy: ``"helion"`` (one Helion pass
+                                                    writes the chunk's logits and its statistics) or
+                                                    ``"cublas"`` (cuBLAS matmul + ``chunk_stats``)
+``blocks``             (none)                       ``{kernel: {block name: size}}`` overrides of the
+                                                    shipped block sizes (tests force several tiles)
+``config_dir``         ``FLCE_CONFIG_DIR``          directory of ``<arch>.json`` Helion configs
+=====================  ==========================  ==============================================
+
+Every rank of a tensor-parallel group must use the same settings (the chunk plan sets the number of
+collectives); the loss compares them across ranks with its other options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator, Mapping
+
+LOGITS_BACKENDS = ("helion", "cublas")
+
+
+def _freeze_blocks(blocks: Mapping[str, Mapping[str, int]] | tuple | None) -> tuple:
+    if not blocks:
+        return ()
+    if isinstance(blocks, tuple):
+        return blocks
+    return tuple(sorted((k, tuple(sorted((n, int(s)) for n, s in v.items()))) for k, v in blocks.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    chunk_bytes: int | None = None
+    logits_backend: str = "helion"
+    blocks: tuple = ()
+    config_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", _freeze_blocks(self.blocks))
+        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 1):
+            raise ValueError(f"chunk_bytes must be a positive int or None, got {self.chunk_bytes!r}")
+        if self.logits_backend not in LOGITS_BACKENDS:
+            raise ValueError(f"logits_backend must be one of {LOGITS_BACKENDS}, got {self.logits_backend!r}")
+
+    def block_overrides(self, kernel: str) -> dict[str, int]:
+        return dict(next((v for k, v in self.blocks if k == kernel), ()))
+
+    def replace(self, **changes: Any) -> "Settings":
+        if "blocks" in changes:  # merged per kernel with the current overrides
+            merged = {k: dict(v) for k, v in self.blocks}
+            for k, v in (changes["blocks"] or {}).items():
+                merged[k] = {**merged.get(k, {}), **v}
+            changes["blocks"] = merged
+        return dataclasses.replace(self, **changes)
+
+    def astuple(self) -> tuple:
+        """Plain values in field order (``Settings(*s.astuple()) == s``)."""
+        return (self.chunk_bytes, self.logits_backend, self.blocks, self.config_dir)
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        """The documented environment defaults (benchmarks): FLCE_CHUNK_MB, FLCE_FUSED_LOGITS, FLCE_CONFIG_DIR."""
+        mb = os.environ.get("FLCE_CHUNK_MB")
+        return cls(chunk_bytes=int(mb) << 20 if mb else None,
+                   logits_backend=os.environ.get("FLCE_FUSED_LOGITS", "helion"),
+                   config_dir=os.environ.get("FLCE_CONFIG_DIR") or None)
+
+
+# The innermost ``override`` last. A plain list (not a ContextVar): TorchDynamo traces a list read,
+# so a compiled model reads the settings as constants; like any process-wide default it is shared
+# by threads, so threads that need their own pass ``settings=`` to the call.
+_STACK: list[Settings] = []
+
+
+def current() -> Settings:
+    """The settings a call without ``settings=`` uses: the innermost ``override``, else the environment's."""
+    return _STACK[-1] if _STACK else Settings.from_env()
+
+
+@contextlib.contextmanager
+def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_bytes: int | None = None,
+             fused_logits: str | None = None, logits_backend: str | None = None,
+             config_dir: str | None = None) -> Iterator[Settings]:
+    """Within the block, calls without ``settings=`` use the current settings with these changes
+    (``blocks`` merged per kernel; ``fused_logits`` is the older name of ``logits_backend``)."""
+    changes: dict[str, Any] = {}
+    if blocks:
+        changes["blocks"] = blocks
+    if chunk_bytes is not None:
+        changes["chunk_bytes"] = chunk_bytes
+    backend = logits_backend if logits_backend is not None else fused_logits
+    if backend is not None:
+        if backend not in LOGITS_BACKENDS:
+            raise ValueError(f"fused_logits must be 'helion' or 'cublas', got {backend!r}")
+        changes["logits_backend"] = backend
+    if config_dir is not None:
+        changes["config_dir"] = config_dir
+    new = current().replace(**changes)
+    _STACK.append(new)
+    try:
+        yield new
+    finally:
+        _STACK.remove(new) if _STACK and _STACK[-1] is not new else _STACK.pop()

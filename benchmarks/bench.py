@@ -2,6 +2,7 @@
 ``vocab_parallel_linear_cross_entropy`` (one-rank group) and the bare matmul, in one run.
 
     python benchmarks/bench.py [--shapes llama3,qwen3,gemma] [--n 8192] [--dtype bf16] [--out DIR]
+                               [--data random,realistic] [--fixture PATH] [--impls flce,cce,cce_exact,...]
 
 For each shape: forward+backward and forward-only (no grad) time (CUDA events, warm-up, median of
 ``--reps``; each timed call starts on an idle GPU, so the host work before its first kernel counts),
@@ -11,6 +12,15 @@ training loop, where that host work overlaps the previous step), and peak memory
 implementation must return, ``fwd_mem_gib`` is the forward-only (no grad) peak. Ratios are to the
 bare ``x @ W.T`` matmul timed in the same run. Writes ``bench_<dtype>.csv`` under
 ``benchmarks/results/`` (and ``--out``) and prints a table last.
+
+Data modes (``--data``, default ``random,realistic``; ``benchmarks/data.py``): ``random`` is the
+pre-data-mode input (bit-identical), ``realistic`` a synthetic trained-model-like head (Zipf prior,
+loss ~2.5 nats), ``trained`` a fixture from ``capture_trained.py`` (``--fixture``; it runs at the
+fixture's own H and V, shape name ``trained``). Every row carries its ``data`` mode and the
+``describe()`` numbers of its inputs (``d_loss``, ``d_entropy``, ``d_max_logit``, ``d_logit_std``,
+``d_skip_frac``, ``d_skip_frac_sorted``: negligible 128x128 softmax blocks, the ones CCE's
+``filter_eps`` skips). CCE runs as its default (``cce``: ``filter_eps="high"`` = 2^-12 in bf16,
+vocab sorted by mean logit in backward) and exact (``cce_exact``: ``filter_eps=None``).
 """
 
 from __future__ import annotations
@@ -26,13 +36,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
 from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, write_csv  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import data as bench_data  # noqa: E402
+
+DATA_MODES = ("random", "realistic", "trained")
+
 
 def _impls():
-    from flce_dist import runtime
+    try:
+        from flce_dist import settings as rt
+    except ImportError:  # before flce_dist.runtime became flce_dist.settings
+        from flce_dist import runtime as rt
 
     def flce(strategy, fused_logits="helion"):
         def run(x, w, t):
-            with runtime.override(fused_logits=fused_logits):
+            with rt.override(fused_logits=fused_logits):
                 return flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy)
         return run
 
@@ -48,7 +66,10 @@ def _impls():
     try:
         from cut_cross_entropy import linear_cross_entropy
 
-        impls["cce"] = lambda x, w, t: linear_cross_entropy(x, w, t)
+        # CCE 25.1.1: filter_eps="high" (the default: finfo(bf16).eps / 32 = 2^-12, blocks of the
+        # gradient below it skipped, vocab sorted by mean logit); None: exact, no sort
+        impls["cce"] = lambda x, w, t: linear_cross_entropy(x, w, t, filter_eps="high")
+        impls["cce_exact"] = lambda x, w, t: linear_cross_entropy(x, w, t, filter_eps=None)
     except Exception as e:  # noqa: BLE001
         print("cce unavailable:", e)
     try:  # DeepSpeed's fused function needs a TP group: a one-process group here
@@ -69,31 +90,69 @@ def _impls():
     return impls
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama3,qwen3,gemma")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--impls", default="")
+    ap.add_argument("--impls", default="", help="comma list, e.g. flce,cce,cce_exact (default: all available)")
+    ap.add_argument("--data", default="random,realistic",
+                    help=f"comma list of data modes from {DATA_MODES} (benchmarks/data.py)")
+    ap.add_argument("--fixture", default="", help="the .pt fixture of --data trained (benchmarks/capture_trained.py)")
+    ap.add_argument("--sorted-vocab", action="store_true", help="realistic mode: token ids in frequency order")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.data = [d for d in args.data.split(",") if d]
+    bad = [d for d in args.data if d not in DATA_MODES]
+    if bad or not args.data:
+        ap.error(f"--data: unknown mode(s) {bad} (choose from {DATA_MODES})")
+    if "trained" in args.data and not args.fixture:
+        ap.error("--data trained needs --fixture PATH (benchmarks/capture_trained.py writes one)")
+    bad = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if bad:
+        ap.error(f"--shapes: unknown {bad} (choose from {list(SHAPES)})")
+    return args
+
+
+def cases(args) -> list[tuple[str, str, int, int]]:
+    """(shape name, data mode, H, V) in run order: per shape, each data mode; ``trained`` runs once
+    at the fixture's own H and V."""
+    out = []
+    for name in args.shapes.split(","):
+        h, v = SHAPES[name]
+        out += [(name, d, h, v) for d in args.data if d != "trained"]
+    if "trained" in args.data:
+        out.append(("trained", "trained", *bench_data.fixture_shape(args.fixture)))
+    return out
+
+
+def describe_cols(x, w, t) -> dict:
+    d = bench_data.describe(x, w, t)
+    print("  data:", bench_data.describe_line(d))
+    return {f"d_{k}": d[k] for k in bench_data.DESCRIBE_KEYS}
+
+
+def main() -> None:
+    args = parse_args()
     dt = DTYPES[args.dtype]
     impls = _impls()
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
     rows = []
     dev = torch.device("cuda")
-    for name in args.shapes.split(","):
-        h, v = SHAPES[name]
-        g = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(args.n, h, device=dev, dtype=dt, generator=g).requires_grad_()
-        w = (torch.randn(v, h, device=dev, dtype=dt, generator=g) * h**-0.5).requires_grad_()
-        t = torch.randint(0, v, (args.n,), device=dev, generator=g)
+    for name, mode, h, v in cases(args):
+        x, w, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=dt, device=dev, seed=0,
+                                         sorted_vocab=args.sorted_vocab, fixture=args.fixture or None)
+        print(f"{name} H={h} V={v} data={mode}")
+        dcols = describe_cols(x, w, t)
+        torch.cuda.empty_cache()
+        x.requires_grad_()
+        w.requires_grad_()
         mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
-        rows.append(dict(shape=name, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0, ratio_f=1.0,
-                         steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0))
+        rows.append(dict(shape=name, data=mode, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0,
+                         ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0, **dcols))
         for iname, fn in impls.items():
             def fb():
                 x.grad = w.grad = None
@@ -111,27 +170,36 @@ def main() -> None:
                 f_ms = time_ms(fo, args.reps)
                 f_mem = peak_gib(fo, x, w)
             except Exception as e:  # noqa: BLE001
-                print(f"{name}/{iname} failed: {type(e).__name__}: {str(e)[:300]}")
+                print(f"{name}/{mode}/{iname} failed: {type(e).__name__}: {str(e)[:300]}")
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
                 continue
-            rows.append(dict(shape=name, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
+            rows.append(dict(shape=name, data=mode, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
                              ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, steady_ms=st_ms,
-                             ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem))
+                             ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem, **dcols))
             torch.cuda.empty_cache()
         del x, w, t
         torch.cuda.empty_cache()
     write_csv(rows, f"bench_{args.dtype}.csv", [args.out] if args.out else [])
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
-    print(f"{'shape':8} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'steady':>8} {'x3mm':>6} {'fwd ms':>8} {'x1mm':>6}"
-          f" {'peak GiB':>9} {'extra':>6} {'fwd GiB':>8}")
-    for r in rows:
-        print(f"{r['shape']:8} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['steady_ms']:8.2f} {r['ratio_steady']:6.2f}"
-              f" {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f} {r['extra_gib']:6.2f} {r['fwd_mem_gib']:8.2f}")
+    print_table(rows)
     import torch.distributed as dist
 
     if dist.is_initialized():  # the one-rank group DeepSpeed's function needed
         dist.destroy_process_group()
+
+
+def print_table(rows: list[dict]) -> None:
+    """The short table: one line per (shape, data mode, impl); the matmul line of each (shape, data)
+    carries that data's describe() numbers (loss nats, negligible-block fraction sorted)."""
+    print(f"{'shape':8} {'data':9} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'steady':>8} {'x3mm':>6} {'fwd ms':>8}"
+          f" {'x1mm':>6} {'peak GiB':>9} {'extra':>6} {'fwd GiB':>8}")
+    for r in rows:
+        note = (f"   loss {r['d_loss']:.2f} nats, skip {r['d_skip_frac']:.2f} / sorted {r['d_skip_frac_sorted']:.2f}"
+                if r["impl"] == "matmul" else "")
+        print(f"{r['shape']:8} {r['data']:9} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['steady_ms']:8.2f}"
+              f" {r['ratio_steady']:6.2f} {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f} {r['extra_gib']:6.2f}"
+              f" {r['fwd_mem_gib']:8.2f}{note}")
 
 
 if __name__ == "__main__":

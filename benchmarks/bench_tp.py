@@ -1,6 +1,7 @@
 """Tensor-parallel benchmark (one process per GPU):
 
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py [--shapes llama3,qwen3,gemma] [--n 8192] [--out DIR]
+                                                       [--data random,realistic] [--fixture PATH]
 
 Per shape, each rank holds its vocab shard (uneven split allowed) and the same N tokens:
   flce        flce_dist.fused_linear_cross_entropy(group=TP)
@@ -12,6 +13,10 @@ Per shape, each rank holds its vocab shard (uneven split allowed) and the same N
 Times are the max over ranks of the per-rank median (CUDA events); memory is the per-rank peak
 above the inputs. Writes ``bench_tp<P>.csv`` (``bench_tp<P>_n<N>.csv`` for N != 8192) and prints a
 table; ``benchmarks/scaling.py`` turns the CSVs of several P into the scaling efficiency.
+Data modes (``--data``, default ``random,realistic``; ``benchmarks/data.py``, as in ``bench.py``):
+every rank builds the same full inputs and keeps its vocab shard; each row carries its ``data``
+mode and the ``describe()`` numbers (``d_*``) of the full inputs. (CCE has no vocab-parallel
+form, so it is not in this benchmark.)
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
 from flce_dist._timing import SHAPES, cuda_time_ms, write_csv  # noqa: E402
 from flce_dist._timing import peak_gib as _peak_gib  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import DATA_MODES, describe_cols  # noqa: E402
+import data as bench_data  # noqa: E402
 
 
 
@@ -90,14 +99,28 @@ def peak_gib(fn, *params):
     return t.item()
 
 
-def main():
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama3,qwen3,gemma")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--impls", default="flce,megatron,liger_vp,deepspeed")
+    ap.add_argument("--data", default="random,realistic", help=f"comma list of data modes from {DATA_MODES}")
+    ap.add_argument("--fixture", default="", help="the .pt fixture of --data trained (benchmarks/capture_trained.py)")
+    ap.add_argument("--sorted-vocab", action="store_true", help="realistic mode: token ids in frequency order")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.data = [d for d in args.data.split(",") if d]
+    bad = [d for d in args.data if d not in DATA_MODES]
+    if bad or not args.data:
+        ap.error(f"--data: unknown mode(s) {bad} (choose from {DATA_MODES})")
+    if "trained" in args.data and not args.fixture:
+        ap.error("--data trained needs --fixture PATH (benchmarks/capture_trained.py writes one)")
+    return args
+
+
+def main():
+    args = parse_args()
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     impls = args.impls.split(",")
@@ -124,22 +147,27 @@ def main():
             print("liger unavailable:", e)
             impls.remove("liger_vp")
     rows = []
-    for name in args.shapes.split(","):
-        h, v = SHAPES[name]
+    cases = [(name, d, *SHAPES[name]) for name in args.shapes.split(",") for d in args.data if d != "trained"]
+    if "trained" in args.data:
+        cases.append(("trained", "trained", *bench_data.fixture_shape(args.fixture)))
+    for name, mode, h, v in cases:
         s, e = vocab_shard(v, rank, p)
-        g = torch.Generator(device="cuda").manual_seed(0)
-        xf = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16, generator=g)
-        wf = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * h**-0.5
+        # every rank builds the same full inputs (random: the pre-data-mode generator calls, bit for bit)
+        xf, wf, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=torch.bfloat16, device="cuda", seed=0,
+                                           sorted_vocab=args.sorted_vocab, fixture=args.fixture or None)
+        if rank == 0:
+            print(f"{name} H={h} V={v} data={mode}")
+        dcols = describe_cols(xf, wf, t) if rank == 0 else {}
         x = xf.clone().requires_grad_()
         w = wf[s:e].clone().requires_grad_()
-        del wf
-        t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
+        del wf, xf
+        torch.cuda.empty_cache()
         mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         buf = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16)
         ar = time_ms(lambda: dist.all_reduce(buf), args.reps)
         floor = 3 * mm + ar
-        rows.append(dict(shape=name, impl="floor", P=p, N=args.n, fwd_bwd_ms=floor, ratio=1.0, mem_gib=0.0,
-                         mm_ms=mm, allreduce_ms=ar))
+        rows.append(dict(shape=name, data=mode, impl="floor", P=p, N=args.n, fwd_bwd_ms=floor, ratio=1.0, mem_gib=0.0,
+                         mm_ms=mm, allreduce_ms=ar, **dcols))
         fns = {
             "flce": lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group),
             "megatron": lambda: _MegatronVocabParallelCE.apply(_CopyToTP.apply(x, group) @ w.T, t, s, group).mean(),
@@ -157,21 +185,24 @@ def main():
                 ms = time_ms(fb, args.reps)
                 mem = peak_gib(fb, x, w)
             except Exception as ex:  # noqa: BLE001
-                print(f"{name}/{iname} failed: {type(ex).__name__}: {str(ex)[:300]}")
+                print(f"{name}/{mode}/{iname} failed: {type(ex).__name__}: {str(ex)[:300]}")
                 continue
             finally:
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
-            rows.append(dict(shape=name, impl=iname, P=p, N=args.n, fwd_bwd_ms=ms, ratio=ms / floor, mem_gib=mem,
-                             mm_ms=mm, allreduce_ms=ar))
+            rows.append(dict(shape=name, data=mode, impl=iname, P=p, N=args.n, fwd_bwd_ms=ms, ratio=ms / floor,
+                             mem_gib=mem, mm_ms=mm, allreduce_ms=ar, **dcols))
         del x, w, buf
         torch.cuda.empty_cache()
     if rank == 0:
         write_csv(rows, f"bench_tp{p}.csv" if args.n == 8192 else f"bench_tp{p}_n{args.n}.csv", [args.out] if args.out else [])
         print(f"\nTP={p} {torch.cuda.get_device_name()} bf16 N={args.n}  (floor = 3 x shard matmul + dX all-reduce)")
-        print(f"{'shape':8} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'peak GiB/rank':>14}")
+        print(f"{'shape':8} {'data':9} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'peak GiB/rank':>14}")
         for r in rows:
-            print(f"{r['shape']:8} {r['impl']:10} {r['fwd_bwd_ms']:10.2f} {r['ratio']:8.2f} {r['mem_gib']:14.2f}")
+            note = (f"   loss {r['d_loss']:.2f} nats, skip {r['d_skip_frac']:.2f} / sorted {r['d_skip_frac_sorted']:.2f}"
+                    if r["impl"] == "floor" else "")
+            print(f"{r['shape']:8} {r['data']:9} {r['impl']:10} {r['fwd_bwd_ms']:10.2f} {r['ratio']:8.2f}"
+                  f" {r['mem_gib']:14.2f}{note}")
     dist.destroy_process_group()
 
 

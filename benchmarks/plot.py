@@ -1,7 +1,10 @@
 """Plot benchmark CSVs: time (ratio to the floor) and peak memory per implementation and shape.
 
     python benchmarks/plot.py benchmarks/results/run4/bench_bf16.csv benchmarks/results/run5/bench_tp2.csv \
-        --out benchmarks/results/summary.png
+        --out benchmarks/results/summary.png [--data realistic]
+
+CSVs with a ``data`` column (bench.py / bench_tp.py with data modes) get one row of panels per data
+mode (``--data`` keeps only the listed modes); older CSVs count as ``random``.
 """
 
 from __future__ import annotations
@@ -16,19 +19,29 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _load(path: Path) -> tuple[str, list[dict]]:
+def _load(path: Path, modes: list[str] | None = None) -> list[tuple[str, list[dict]]]:
+    """[(title, rows)] per data mode in the CSV (in order of appearance), filtered to ``modes``."""
     rows = list(csv.DictReader(open(path)))
     tp = "P" in rows[0]
     title = f"TP={rows[0]['P']}" if tp else "TP=1"
-    return title, rows
+    out = []
+    for mode in dict.fromkeys(r.get("data") or "random" for r in rows):
+        if modes and mode not in modes:
+            continue
+        out.append((f"{title} {mode}", [r for r in rows if (r.get("data") or "random") == mode]))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--out", default="benchmarks/results/summary.png")
+    ap.add_argument("--data", default="", help="comma list of data modes to plot (default: all in the CSVs)")
     args = ap.parse_args()
-    sets = [_load(Path(p)) for p in args.csv]
+    modes = [m for m in args.data.split(",") if m]
+    sets = [s for p in args.csv for s in _load(Path(p), modes)]
+    if not sets:
+        raise SystemExit(f"no rows of data mode(s) {modes} in {args.csv}")
     fig, axes = plt.subplots(len(sets), 2, figsize=(13, 3.6 * len(sets)), squeeze=False)
     for (title, rows), (ax_t, ax_m) in zip(sets, axes):
         ratio_key = "ratio" if "ratio" in rows[0] else "ratio_fb"
@@ -49,7 +62,7 @@ def main() -> None:
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
         ax_t.axhline(1.0, color="k", lw=0.8)
         ax_t.set_ylabel("fwd+bwd time / floor")
-        ax_t.set_title(f"{title}: time relative to {'3 matmuls' if title == 'TP=1' else '3 shard matmuls + dX all-reduce'}")
+        ax_t.set_title(f"{title}: time relative to {'3 matmuls' if title.startswith('TP=1 ') else '3 shard matmuls + dX all-reduce'}")
         ax_m.set_ylabel("peak GiB (grads included)")
         ax_m.set_yscale("log")
         ax_m.set_title(f"{title}: peak memory per rank")

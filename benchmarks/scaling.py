@@ -1,6 +1,6 @@
 """Tensor-parallel scaling efficiency from ``bench_tp.py`` CSVs of several group sizes.
 
-    python benchmarks/scaling.py DIR [DIR ...] [--impl flce] [--out benchmarks/results]
+    python benchmarks/scaling.py DIR [DIR ...] [--impl flce] [--data random] [--out benchmarks/results]
 
 Reads every ``bench_tp<P>[_n<N>].csv`` under the given folders (P = 1, 2, 4, 8 from runs of
 ``torchrun --nproc_per_node=P benchmarks/bench_tp.py [--n N]``). For each shape, N and P:
@@ -11,7 +11,8 @@ Reads every ``bench_tp<P>[_n<N>].csv`` under the given folders (P = 1, 2, 4, 8 f
     efficiency(P) = ideal(P) / T(P)             1.0 = ideal scaling; issue target at P = 8: >= 0.90
 
 Writes ``scaling.csv`` and ``scaling.png`` (time and efficiency against P) and prints the table.
-A (shape, N) without a P = 1 run is skipped with a note.
+A (shape, N) without a P = 1 run is skipped with a note. Only rows of one data mode (``--data``,
+default ``random``; CSVs from before data modes count as ``random``) are used.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ from flce_dist._timing import write_csv  # noqa: E402
 _NAME = re.compile(r"bench_tp(\d+)(?:_n(\d+))?\.csv$")
 
 
-def load(dirs: list[str], impl: str) -> dict[tuple[str, int], dict[int, dict]]:
-    """{(shape, N): {P: row}} for ``impl``; the row carries the P-rank all-reduce time."""
+def load(dirs: list[str], impl: str, data: str = "random") -> dict[tuple[str, int], dict[int, dict]]:
+    """{(shape, N): {P: row}} for ``impl`` on data mode ``data``; the row carries the P-rank
+    all-reduce time."""
     table: dict[tuple[str, int], dict[int, dict]] = defaultdict(dict)
     for d in dirs:
         for path in sorted(Path(d).glob("bench_tp*.csv")):
             m = _NAME.search(path.name)
             if not m:
                 continue
-            rows = list(csv.DictReader(open(path)))
+            rows = [r for r in csv.DictReader(open(path)) if (r.get("data") or "random") == data]
             ar = {r["shape"]: float(r["allreduce_ms"]) for r in rows if r["impl"] == "floor" and r.get("allreduce_ms")}
             for r in rows:
                 if r["impl"] != impl:
@@ -93,9 +95,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--impl", default="flce")
+    ap.add_argument("--data", default="random", help="the data mode whose rows are used (bench_tp.py --data)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
-    rows = efficiency(load(args.dirs, args.impl))
+    rows = efficiency(load(args.dirs, args.impl, args.data))
     if not rows:
         raise SystemExit("no (shape, N) with a P=1 run found")
     write_csv(rows, "scaling.csv", [args.out] if args.out else [])

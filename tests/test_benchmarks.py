@@ -1,15 +1,19 @@
-"""The benchmark helpers that need no GPU: the TP scaling-efficiency arithmetic."""
+"""The benchmark helpers that need no GPU: the TP scaling-efficiency arithmetic, the data modes
+(benchmarks/data.py), the benchmarks' argument parsing and the plot of data-mode CSVs."""
 
 from __future__ import annotations
 
 import csv
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 scaling = pytest.importorskip("scaling")
+bench_data = pytest.importorskip("data")
 
 
 def _write(path: Path, p: int, n: int, flce_ms: float, ar_ms: float) -> None:
@@ -41,3 +45,145 @@ def test_scaling_plot(tmp_path):
     _write(tmp_path / "bench_tp4.csv", 4, 8192, 11.0, 1.0)
     scaling.plot(scaling.efficiency(scaling.load([str(tmp_path)], "flce")), tmp_path / "scaling.png")
     assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_scaling_filters_data_mode(tmp_path):
+    rows = []
+    for data, ms in (("random", 40.0), ("realistic", 30.0)):
+        rows.append(dict(shape="llama3", data=data, impl="floor", P=1, N=8192, fwd_bwd_ms=1.0, ratio=1.0, mem_gib=0.0,
+                         mm_ms=0.3, allreduce_ms=0.0))
+        rows.append(dict(shape="llama3", data=data, impl="flce", P=1, N=8192, fwd_bwd_ms=ms, ratio=1.2, mem_gib=1.0,
+                         mm_ms=0.3, allreduce_ms=0.0))
+    with open(tmp_path / "bench_tp1.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert scaling.load([str(tmp_path)], "flce")[("llama3", 8192)][1]["ms"] == 40.0
+    assert scaling.load([str(tmp_path)], "flce", "realistic")[("llama3", 8192)][1]["ms"] == 30.0
+
+
+# ---- data modes (benchmarks/data.py) ----
+
+def test_random_mode_is_the_old_bench_input():
+    """mode="random" repeats bench.py's / bench_tp.py's pre-data-mode generator calls bit for bit."""
+    n, h, v = 64, 96, 1000
+    for dt in (torch.bfloat16, torch.float32):
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x0 = torch.randn(n, h, device="cpu", dtype=dt, generator=g)
+        w0 = torch.randn(v, h, device="cpu", dtype=dt, generator=g) * h**-0.5
+        t0 = torch.randint(0, v, (n,), device="cpu", generator=g)
+        x, w, t = bench_data.make_inputs(n, h, v, mode="random", dtype=dt, device="cpu", seed=0)
+        assert x.dtype == w.dtype == dt
+        assert torch.equal(x, x0) and torch.equal(w, w0) and torch.equal(t, t0)
+
+
+def _realistic(seed=0, **kw):
+    return bench_data.make_inputs(512, 256, 5000, mode="realistic", dtype=torch.bfloat16, device="cpu", seed=seed, **kw)
+
+
+def test_realistic_loss_and_long_tail():
+    import flce_dist
+
+    x, w, t = _realistic()
+    assert x.shape == (512, 256) and w.shape == (5000, 256) and t.shape == (512,) and t.dtype == torch.int64
+    assert x.dtype == w.dtype == torch.bfloat16 and not x.requires_grad
+    loss = flce_dist.reference_loss(x.double(), w.double(), t).item()
+    assert 1.5 <= loss <= 3.5, loss
+    counts = torch.bincount(t, minlength=5000).sort(descending=True).values
+    assert counts[:50].sum().item() / 512 > 0.20  # the top 1% of the vocab holds > 20% of the targets
+    z = x.double() @ w.double().T
+    assert 8 <= z.max(1).values.mean().item() <= 30  # max logit per row of realistic scale
+    assert 1.0 <= z.std(1).mean().item() <= 5.0
+
+
+def test_realistic_is_deterministic_and_shuffled():
+    a, b, c = _realistic(0), _realistic(0), _realistic(1)
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    assert not torch.equal(a[0], c[0]) and not torch.equal(a[2], c[2])
+    # shuffled vocabulary: the frequent tokens are spread over the ids; sorted_vocab: ids in frequency order
+    _, _, t = a
+    _, _, ts = _realistic(0, sorted_vocab=True)
+    assert (ts < 50).float().mean().item() > 0.20
+    assert (t < 50).float().mean().item() < 0.10
+
+
+def test_describe():
+    import flce_dist
+
+    xr, wr, tr = bench_data.make_inputs(512, 256, 5000, mode="random", seed=0)
+    xs, ws, ts = _realistic()
+    blk = (16, 16)  # 128x128 blocks are never all negligible at V=5000
+    dr, ds = (bench_data.describe(x, w, t, block=blk) for x, w, t in ((xr, wr, tr), (xs, ws, ts)))
+    for d in (dr, ds):
+        assert 0.0 <= d["skip_frac"] <= 1.0 and 0.0 <= d["skip_frac_sorted"] <= 1.0
+        assert d["rows"] == 512 and set(bench_data.DESCRIBE_KEYS) <= set(d)
+        assert 0.0 <= d["entropy"] <= math.log(5000) + 1e-4
+    assert ds["skip_frac_sorted"] > dr["skip_frac_sorted"] and ds["skip_frac"] >= dr["skip_frac"]
+    assert ds["skip_frac_sorted"] >= ds["skip_frac"]
+    assert ds["loss"] == pytest.approx(flce_dist.reference_loss(xs.double(), ws.double(), ts).item(), rel=1e-3)
+    assert ds["entropy_std"] > 0.5  # entropy spread out over the tokens
+    assert dr["loss"] > 8 and ds["loss"] < 3.5
+    d = bench_data.describe(xs, ws, ts, max_rows=100)  # a subsample that is not a whole number of blocks
+    assert d["rows"] == 100 and 0.0 <= d["skip_frac"] <= 1.0
+    # blocks fully negligible by construction: rows whose softmax is one-hot on their target
+    x = torch.zeros(4, 2)
+    x[:, 0] = 100.0
+    w = torch.zeros(6, 2)
+    w[0, 0] = 1.0
+    d = bench_data.describe(x, w, torch.zeros(4, dtype=torch.long), block=(2, 2))
+    assert d["skip_frac"] == 1.0 and d["loss"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_trained_fixture_tiles_rows(tmp_path):
+    hid = torch.randn(10, 8).bfloat16()
+    weight = torch.randn(30, 8).bfloat16()
+    tgt = torch.randint(0, 30, (10,))
+    torch.save(dict(hidden=hid, weight=weight, target=tgt), tmp_path / "f.pt")
+    assert bench_data.fixture_shape(tmp_path / "f.pt") == (8, 30)
+    x, w, t = bench_data.make_inputs(25, None, None, mode="trained", fixture=tmp_path / "f.pt")
+    assert x.shape == (25, 8) and torch.equal(x[10:20], hid) and torch.equal(t[20:], tgt[:5]) and torch.equal(w, weight)
+    x, _, t = bench_data.make_inputs(4, 8, 30, mode="trained", fixture=tmp_path / "f.pt", dtype=torch.float32)
+    assert x.dtype == torch.float32 and t.shape == (4,)
+    with pytest.raises(ValueError, match="V=30"):
+        bench_data.make_inputs(4, 8, 31, mode="trained", fixture=tmp_path / "f.pt")
+    with pytest.raises(ValueError, match="fixture"):
+        bench_data.make_inputs(4, 8, 30, mode="trained")
+    with pytest.raises(ValueError, match="mode"):
+        bench_data.make_inputs(4, 8, 30, mode="uniform")
+
+
+def test_bench_argument_parsing():
+    bench = pytest.importorskip("bench")
+    a = bench.parse_args([])
+    assert a.data == ["random", "realistic"] and a.impls == ""
+    a = bench.parse_args(["--data", "realistic", "--impls", "cce_exact", "--shapes", "gemma"])
+    assert a.data == ["realistic"] and a.impls.split(",") == ["cce_exact"]
+    assert bench.cases(a) == [("gemma", "realistic", 2304, 262208)]
+    a = bench.parse_args(["--data", "random,realistic", "--shapes", "llama3,qwen3"])
+    assert [c[:2] for c in bench.cases(a)] == [("llama3", "random"), ("llama3", "realistic"), ("qwen3", "random"),
+                                               ("qwen3", "realistic")]
+    for bad in (["--data", "uniform"], ["--data", "trained"], ["--shapes", "gpt2"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    bench_tp = pytest.importorskip("bench_tp")
+    a = bench_tp.parse_args(["--data", "realistic", "--impls", "flce,megatron"])
+    assert a.data == ["realistic"]
+    with pytest.raises(SystemExit):
+        bench_tp.parse_args(["--data", "nope"])
+
+
+def test_plot_per_data_mode(tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = pytest.importorskip("plot")
+    rows = [dict(shape="llama3", data=d, impl=i, fwd_bwd_ms=1.0, ratio_fb=r, mem_gib=1.0)
+            for d in ("random", "realistic") for i, r in (("matmul", 1.0), ("flce", 1.1), ("cce", 1.3), ("cce_exact", 3.0))]
+    with open(tmp_path / "bench_bf16.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    sets = plot._load(tmp_path / "bench_bf16.csv")
+    assert [t for t, _ in sets] == ["TP=1 random", "TP=1 realistic"]
+    assert [t for t, _ in plot._load(tmp_path / "bench_bf16.csv", ["realistic"])] == ["TP=1 realistic"]
+    sys.argv = ["plot.py", str(tmp_path / "bench_bf16.csv"), "--out", str(tmp_path / "s.png")]
+    plot.main()
+    assert (tmp_path / "s.png").stat().st_size > 0

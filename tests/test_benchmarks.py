@@ -187,3 +187,25 @@ def test_plot_per_data_mode(tmp_path):
     sys.argv = ["plot.py", str(tmp_path / "bench_bf16.csv"), "--out", str(tmp_path / "s.png")]
     plot.main()
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_capture_from_dcp_checkpoint(tmp_path):
+    """capture_trained.py --checkpoint: a DCP folder holding a LlamaForCausalLM state dict under a
+    prefix becomes a fixture that make_inputs(mode="trained") loads."""
+    pytest.importorskip("transformers")
+    import torch.distributed.checkpoint as dcp
+
+    capture = pytest.importorskip("capture_trained")
+    torch.manual_seed(0)
+    model = capture.build_llama(50, 16, 32, 2, 2, 1, 32)
+    ckpt = tmp_path / "checkpoints" / "step_10"
+    dcp.save({"app": {"model": model.state_dict()}}, checkpoint_id=str(ckpt))
+    torch.save({"ids": torch.randint(0, 50, (500,), dtype=torch.int32), "vocab_size": 50}, tmp_path / "tokens.pt")
+    (tmp_path / "m.toml").write_text("[model]\nnum_heads = 2\nnum_kv_heads = 1\n")
+    out = tmp_path / "fx.pt"
+    capture.main(["--device", "cpu", "--checkpoint", str(ckpt), "--tokens", str(tmp_path / "tokens.pt"),
+                  "--config", str(tmp_path / "m.toml"), "--seq", "32", "--rows", "100", "--out", str(out)])
+    x, w, t = bench_data.make_inputs(150, 16, 50, mode="trained", fixture=out)
+    assert x.shape == (150, 16) and w.shape == (50, 16) and x.dtype == torch.bfloat16
+    assert torch.equal(w, model.lm_head.weight.detach().bfloat16())
+    assert 0 <= int(t.min()) and int(t.max()) < 50

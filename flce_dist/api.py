@@ -193,12 +193,12 @@ def fused_linear_cross_entropy(
     if not torch.is_grad_enabled():
         options = options.replace(strategy="recompute")  # evaluation: statistics only, one matmul
     options = options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
-    params = FLCEParams(start, vocab, options, settings)
     if compiling and not options.sequence_parallel and dt is None:
         # under torch.compile: the custom op (compile_op.py), one graph, no break
         loss, lse, correct, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
-                                           params.encode(), needs_grad, group_name)
+                                           FLCEParams.encode(start, vocab, options, settings), needs_grad, group_name)
     else:
+        params = FLCEParams(start, vocab, options, settings)
         loss, lse, correct = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
     if options.reduction == "none":
         loss = loss.reshape(target.shape)

@@ -146,19 +146,21 @@ class FLCEParams:
 
     vocab_start: int
     vocab_size: int
-    options: LossOptions = LossOptions()
-    settings: Settings = Settings()
+    options: LossOptions
+    settings: Settings
 
     def __getattr__(self, name: str) -> Any:  # only called for names that are not fields
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.options, name)
 
-    def encode(self) -> str:
+    @staticmethod
+    def encode(vocab_start: int, vocab_size: int, options: LossOptions, settings: Settings) -> str:
         """The one string the ``torch.compile`` custom ops carry instead of positional options: the
-        ``repr`` of plain values (TorchDynamo folds it to a constant; it cannot trace ``json``)."""
-        opts = tuple(getattr(self.options, k) for k in _OPTION_NAMES)
-        return repr((self.vocab_start, self.vocab_size, opts, self.settings.astuple()))
+        ``repr`` of plain values, built without making an FLCEParams, so that TorchDynamo folds it to
+        a constant while tracing (it cannot trace ``json``, nor wrap some dataclass objects)."""
+        opts = tuple(getattr(options, k) for k in _OPTION_NAMES)
+        return repr((vocab_start, vocab_size, opts, settings.astuple()))
 
     @staticmethod
     @lru_cache(maxsize=256)

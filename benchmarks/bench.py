@@ -10,7 +10,7 @@ the steady-state forward+backward time (``steady_ms``: 5 calls back to back per 
 training loop, where that host work overlaps the previous step), and peak memory above the inputs:
 ``mem_gib`` includes the returned gradients, ``extra_gib`` = ``mem_gib`` minus the dX and dW every
 implementation must return, ``fwd_mem_gib`` is the forward-only (no grad) peak. Ratios are to the
-bare ``x @ W.T`` matmul timed in the same run. Writes ``bench_<dtype>.csv`` under
+bare ``x @ W.T`` matmul timed in the same run. Writes ``bench_<dtype>[_<data modes>].csv`` under
 ``benchmarks/results/`` (and ``--out``) and prints a table last.
 
 Data modes (``--data``, default ``random,realistic``; ``benchmarks/data.py``): ``random`` is the
@@ -115,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def csv_suffix(modes: list[str]) -> str:
+    """"" for the default data modes (random, realistic), else ``_<mode>_<mode>``, so that runs of
+    one mode each (e.g. in separate device calls) do not overwrite each other's CSV."""
+    return "" if modes == ["random", "realistic"] else "_" + "_".join(modes)
+
+
 def cases(args) -> list[tuple[str, str, int, int]]:
     """(shape name, data mode, H, V) in run order: per shape, each data mode; ``trained`` runs once
     at the fixture's own H and V."""
@@ -180,7 +186,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         del x, w, t
         torch.cuda.empty_cache()
-    write_csv(rows, f"bench_{args.dtype}.csv", [args.out] if args.out else [])
+    write_csv(rows, f"bench_{args.dtype}{csv_suffix(args.data)}.csv", [args.out] if args.out else [])
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
     print_table(rows)
     import torch.distributed as dist

@@ -11,7 +11,8 @@ Per shape, each rank holds its vocab shard (uneven split allowed) and the same N
   deepspeed   deepspeed.sequence.linear_cross_entropy.vocab_parallel_linear_cross_entropy (tp_group)
   floor       3 x the shard matmul + one dX all-reduce ([N, H] in bf16), each timed in this run
 Times are the max over ranks of the per-rank median (CUDA events); memory is the per-rank peak
-above the inputs. Writes ``bench_tp<P>.csv`` (``bench_tp<P>_n<N>.csv`` for N != 8192) and prints a
+above the inputs. Writes ``bench_tp<P>.csv`` (``bench_tp<P>_n<N>.csv`` for N != 8192; ``_<data modes>``
+appended unless ``--data`` is the default) and prints a
 table; ``benchmarks/scaling.py`` turns the CSVs of several P into the scaling efficiency.
 Data modes (``--data``, default ``random,realistic``; ``benchmarks/data.py``, as in ``bench.py``):
 every rank builds the same full inputs and keeps its vocab shard; each row carries its ``data``
@@ -36,7 +37,7 @@ from flce_dist._timing import SHAPES, cuda_time_ms, write_csv  # noqa: E402
 from flce_dist._timing import peak_gib as _peak_gib  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import DATA_MODES, describe_cols  # noqa: E402
+from bench import DATA_MODES, csv_suffix, describe_cols  # noqa: E402
 import data as bench_data  # noqa: E402
 
 
@@ -195,7 +196,8 @@ def main():
         del x, w, buf
         torch.cuda.empty_cache()
     if rank == 0:
-        write_csv(rows, f"bench_tp{p}.csv" if args.n == 8192 else f"bench_tp{p}_n{args.n}.csv", [args.out] if args.out else [])
+        fname = (f"bench_tp{p}" if args.n == 8192 else f"bench_tp{p}_n{args.n}") + csv_suffix(args.data)
+        write_csv(rows, f"{fname}.csv", [args.out] if args.out else [])
         print(f"\nTP={p} {torch.cuda.get_device_name()} bf16 N={args.n}  (floor = 3 x shard matmul + dX all-reduce)")
         print(f"{'shape':8} {'data':9} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'peak GiB/rank':>14}")
         for r in rows:

@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py DIR [DIR ...] [--impl flce] [--data random] [--out benchmarks/results]
 
-Reads every ``bench_tp<P>[_n<N>].csv`` under the given folders (P = 1, 2, 4, 8 from runs of
+Reads every ``bench_tp<P>[_n<N>][_<data modes>].csv`` under the given folders (P = 1, 2, 4, 8 from runs of
 ``torchrun --nproc_per_node=P benchmarks/bench_tp.py [--n N]``). For each shape, N and P:
 
     ideal(P)      = T(1) / P + allreduce(P)     T(1): the impl's time at P = 1 (same shape and N),
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flce_dist._timing import write_csv  # noqa: E402
 
-_NAME = re.compile(r"bench_tp(\d+)(?:_n(\d+))?\.csv$")
+_NAME = re.compile(r"bench_tp(\d+)(?:_n(\d+))?(?:_[a-z_]+)?\.csv$")  # optional _<data modes> suffix
 
 
 def load(dirs: list[str], impl: str, data: str = "random") -> dict[tuple[str, int], dict[int, dict]]:

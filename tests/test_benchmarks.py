@@ -165,6 +165,8 @@ def test_bench_argument_parsing():
     for bad in (["--data", "uniform"], ["--data", "trained"], ["--shapes", "gpt2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+    assert bench.csv_suffix(["random", "realistic"]) == "" and bench.csv_suffix(["realistic"]) == "_realistic"
+    assert scaling._NAME.search("bench_tp2_n32768_realistic.csv").groups() == ("2", "32768")
     bench_tp = pytest.importorskip("bench_tp")
     a = bench_tp.parse_args(["--data", "realistic", "--impls", "flce,megatron"])
     assert a.data == ["realistic"]

@@ -174,7 +174,7 @@ def test_bench_argument_parsing():
         bench_tp.parse_args(["--data", "nope"])
 
 
-def test_plot_per_data_mode(tmp_path):
+def test_plot_per_data_mode(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     plot = pytest.importorskip("plot")
     rows = [dict(shape="llama3", data=d, impl=i, fwd_bwd_ms=1.0, ratio_fb=r, mem_gib=1.0)
@@ -186,7 +186,7 @@ def test_plot_per_data_mode(tmp_path):
     sets = plot._load(tmp_path / "bench_bf16.csv")
     assert [t for t, _ in sets] == ["TP=1 random", "TP=1 realistic"]
     assert [t for t, _ in plot._load(tmp_path / "bench_bf16.csv", ["realistic"])] == ["TP=1 realistic"]
-    sys.argv = ["plot.py", str(tmp_path / "bench_bf16.csv"), "--out", str(tmp_path / "s.png")]
+    monkeypatch.setattr(sys, "argv", ["plot.py", str(tmp_path / "bench_bf16.csv"), "--out", str(tmp_path / "s.png")])
     plot.main()
     assert (tmp_path / "s.png").stat().st_size > 0
 

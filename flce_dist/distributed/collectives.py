@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..formulas import acc_dtype
 from .groups import group_size
 
 # torch >= 2.13 names the flat collectives *_single (the old names warn); torch 2.11 (the GPU
@@ -30,7 +31,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
     """``parts [P, ...]`` summed in rank order, in float32 (float64 stays float64)."""
-    acc = parts[0].to(torch.float64 if parts.dtype == torch.float64 else torch.float32)
+    acc = parts[0].to(acc_dtype(parts.dtype))
     for k in range(1, parts.shape[0]):
         acc += parts[k]
     return acc

@@ -13,7 +13,12 @@ FSDP2-sharded over dp; ``training.batch_size`` is the global batch, dp rank d re
 Heads (``--head``/``model.head``): ``flce`` = flce_dist's fused vocab-parallel loss on the
 ``Shard(0)`` lm_head weight (no logits), ``torch`` = ``ColwiseParallel`` lm_head + ``loss_parallel``.
 Checkpoints: DCP into ``step_<N>/`` (reshardable: resume on another dp x tp), ``--resume``; a fresh
-start refuses a ``ckpt_dir`` that holds checkpoints unless ``--overwrite``. Workers restarted by
+start refuses a ``ckpt_dir`` that holds checkpoints unless ``--overwrite``. A resume verifies every
+file of the checkpoint against the sha256 manifest in its ``complete.json`` before loading (falling
+back to the newest intact one, with a warning naming the damaged files), and refuses a changed
+learning-rate schedule unless ``training.resume_schedule`` says which one to follow. Replicated
+parameters are compared across ranks at every checkpoint (an error names the first that differs);
+an error in a step's collectives (e.g. ``job.timeout_s`` expiring) names the step. Workers restarted by
 torchrun (``TORCHELASTIC_RESTART_COUNT`` > 0) resume from the latest complete checkpoint;
 ``FAIL_AT_STEP=S`` makes rank ``fault.fail_rank`` SIGKILL itself after step S on the first attempt.
 Pieces: ``launch/components/`` (config, data, model, parallelize, checkpoint, metrics).
@@ -22,6 +27,8 @@ Pieces: ``launch/components/`` (config, data, model, parallelize, checkpoint, me
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         available = ckpt.complete_checkpoints(ckpt_dir)
         if (ck.resume or restart > 0) and available:
-            decision = [available[-1]]
+            decision = [available]
         elif ckpt.any_checkpoints(ckpt_dir) and not (ck.resume or restart > 0):
             if args.overwrite:
                 log.warning("--overwrite: removing the checkpoints of an earlier run from %s", ckpt_dir)
@@ -148,18 +155,32 @@ def main(argv: list[str] | None = None) -> int:
     if pg:
         dist.broadcast_object_list(decision, src=0, group=pg)
     if decision[0] == "refuse":
-        if pg:
-            dist.destroy_process_group()
-        raise SystemExit(f"{ckpt_dir} already holds checkpoints of an earlier run: pass --resume to continue it "
-                         f"or --overwrite to start fresh (removes them)")
+        fail(pg, f"{ckpt_dir} already holds checkpoints of an earlier run: pass --resume to continue it "
+                 f"or --overwrite to start fresh (removes them)")
     start_step, position, losses, resumed_from = 0, 0, [], None
+    schedule = ckpt.schedule_of(t)
     if decision[0] is not None:
-        state = ckpt.load_checkpoint(ckpt_dir, decision[0], model, opt, pg, rank, world, meta)
+        # every file checked against the manifest BEFORE anything is loaded or announced (all ranks take part)
+        step, damaged = ckpt.choose_checkpoint(ckpt_dir, decision[0], pg)
+        if step is None:
+            fail(pg, f"no intact checkpoint in {ckpt_dir} to resume from: " + "; ".join(
+                f"{ckpt.step_dir(ckpt_dir, s).name}: {', '.join(p)}" for s, p in damaged.items())
+                + ". Move the damaged step_* folders away (then --resume starts from step 0, or from an older "
+                  "checkpoint you put back) or start fresh with --overwrite and without --resume (removes them)")
+        d = ckpt.step_dir(ckpt_dir, step)
+        try:
+            state = ckpt.read_train_state(ckpt_dir, step)
+            ckpt.check_meta(state, meta, d)
+            schedule = ckpt.resume_schedule(state, t, t.resume_schedule, f"checkpoint {d}")
+        except ValueError as e:
+            fail(pg, f"cannot resume: {e}")
+        state = ckpt.load_checkpoint(ckpt_dir, step, model, opt, pg, rank, world, meta)
         start_step, position, losses, resumed_from = state["step"], state["position"], list(state["losses"]), state["step"]
-        log.info("resumed from %s (saved at dp=%d x tp=%d) at step %d (data position %d)", ckpt.step_dir(ckpt_dir, start_step),
+        log.info("resumed from %s (saved at dp=%d x tp=%d) at step %d (data position %d)", d,
                  state["layout"]["dp"], state["layout"]["tp"], start_step, position)
     elif ck.resume or restart > 0:
         log.info("no complete checkpoint in %s: starting from step 0", ckpt_dir)
+    sched_t = dataclasses.replace(t, **schedule)  # the learning-rate schedule this run follows
 
     layout = {**meta, "world_size": world, "dp": par.dp, "tp": par.tp, "sp": par.sp}
     extra = {**layout, "resumed_from": resumed_from, "restart_count": restart, "config": cfg.to_dict()}
@@ -177,46 +198,71 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(start_step + 1, t.steps + 1):
-        if step == start_step + 1 + warm_steps:
-            if use_cuda:
-                torch.cuda.synchronize(device)
-            t_steady = time.perf_counter()
-        t0 = time.perf_counter()
-        batch = data.batch(position, t.batch_size, dp_rank, par.dp).to(device, non_blocking=True)
-        position += t.batch_size
-        lr = lr_at(step, t)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        with model.loss_context():  # loss_parallel() for the torch head under tp
-            loss = model(batch)
-            loss.backward()
-        gnorm = clip_grad_norm_(model, t.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        value = global_loss(loss, mesh)
-        if not math.isfinite(value):
-            raise FloatingPointError(f"loss is {value} at step {step}")
-        losses.append(value)
-        window += 1
-        bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens_per_step / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
-        bar.update(1)
-        if step % job.log_every == 0 or step == t.steps:
-            now = time.perf_counter()
-            log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", step, t.steps, value, lr, gnorm,
-                     window * tokens_per_step / max(now - t_log, 1e-9))
-            t_log, window = now, 0
-        if ck.ckpt_every > 0 and (step % ck.ckpt_every == 0 or step == t.steps):
-            ckpt.save_checkpoint(ckpt_dir, step, {"position": position, "losses": losses, "layout": layout,
-                                                  "config": cfg.to_dict()}, model, opt, pg, rank, ck.keep)
-            if rank == 0:
-                write_losses(Path(job.losses_file), losses, extra)
-        if cfg.fault.fail_at_step and step == cfg.fault.fail_at_step and rank == fail_rank and restart == 0:
-            log.warning("fault injection: rank %d kills itself after step %d (FAIL_AT_STEP)", rank, step)
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+        with step_errors(step, job.timeout_s):  # a failed collective (timeout) names the step
+            if step == start_step + 1 + warm_steps:
+                if use_cuda:
+                    torch.cuda.synchronize(device)
+                t_steady = time.perf_counter()
+            t0 = time.perf_counter()
+            batch = data.batch(position, t.batch_size, dp_rank, par.dp).to(device, non_blocking=True)
+            position += t.batch_size
+            lr = lr_at(step, sched_t)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with model.loss_context():  # loss_parallel() for the torch head under tp
+                loss = model(batch)
+                loss.backward()
+            gnorm = clip_grad_norm_(model, t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = global_loss(loss, mesh)
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss is {value} at step {step}")
+            losses.append(value)
+            window += 1
+            bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens_per_step / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
+            bar.update(1)
+            if step % job.log_every == 0 or step == t.steps:
+                now = time.perf_counter()
+                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", step, t.steps, value, lr, gnorm,
+                         window * tokens_per_step / max(now - t_log, 1e-9))
+                t_log, window = now, 0
+            if ck.ckpt_every > 0 and (step % ck.ckpt_every == 0 or step == t.steps):
+                ckpt.save_checkpoint(ckpt_dir, step, {"position": position, "losses": losses, "layout": layout,
+                                                      "schedule": schedule, "config": cfg.to_dict()},
+                                      model, opt, pg, rank, ck.keep)
+                if rank == 0:
+                    write_losses(Path(job.losses_file), losses, extra)
+            if cfg.fault.fail_at_step and step == cfg.fault.fail_at_step and rank == fail_rank and restart == 0:
+                log.warning("fault injection: rank %d kills itself after step %d (FAIL_AT_STEP)", rank, step)
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
     finish(cfg, device, use_cuda, pg, rank, losses, extra, resumed_from, tokens_per_step, t_start, t_steady, warm_steps, start_step)
     return 0
+
+
+def fail(pg, message: str) -> None:
+    """Leave on every rank with ``message`` (the same decision everywhere, no traceback)."""
+    if pg:
+        dist.destroy_process_group()
+    raise SystemExit(message)
+
+
+@contextlib.contextmanager
+def step_errors(step: int, timeout_s: float):
+    """Re-raise a ``RuntimeError`` of the step (a collective's timeout or failure: ``DistError`` and
+    its subclasses are ``RuntimeError``) as ``RuntimeError("step N: ...")``, so that the error names
+    the step where the ranks parted; a timeout also names ``job.timeout_s``."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        hint = ""
+        if "timeout" in text.lower() or "timed out" in text.lower():
+            hint = (f" [job.timeout_s={timeout_s:g}: a rank did not reach this collective in time; the first error "
+                    f"is in the other ranks' output]")
+        raise RuntimeError(f"step {step}: {type(e).__name__}: {text}{hint}") from e
 
 
 def global_loss(loss: torch.Tensor, mesh) -> float:

@@ -122,6 +122,7 @@ def runs(tmp_path_factory):
     results.update(_wait(later))
     results.update(_wait(refused, expect_fail=True))
     print(f"\ntraining jobs: {t1 - t0:.1f} s (6 at once), then {time.perf_counter() - t1:.1f} s (resume, refusal)")
+    results["tmp"] = tmp
     return results
 
 
@@ -181,6 +182,73 @@ def test_dcp_resume_across_layouts(runs):
 def test_fresh_start_over_checkpoints_is_refused(runs):
     r = runs["refused"]
     assert r["rc"] != [0] and "already holds checkpoints" in r["output"] and "--overwrite" in r["output"], r["output"][-2000:]
+    assert (runs["tmp"] / "refused" / "checkpoints" / f"step_{CKPT_EVERY:08d}" / "complete.json").is_file()  # untouched
+
+
+def _in_process(runs, name: str, capsys, sets: list[str], args: list[str] = ()):
+    """launch/train.py's main() in this process (one rank, tp=1) over ``runs["tmp"] / name``, the
+    fixture's data cache: (exception or None, output, losses file or None)."""
+    from tests.test_train_reliability import _run_main
+
+    tmp = runs["tmp"]
+    argv = ["--config", str(CONFIG), "--set", f"training.steps={STEPS}", "--set", f"checkpoint.ckpt_every={CKPT_EVERY}",
+            "--set", f'job.out_dir="{tmp / name}"', "--set", f'data.cache_dir="{tmp / "cache"}"',
+            "--set", 'job.progress="off"', "--set", "job.log_every=1", "--set", "parallel.tp=1",
+            *sum((["--set", s] for s in sets), []), *args]
+    err, out = _run_main(argv, capsys)
+    losses = tmp / name / "losses.json"
+    return err, out, json.loads(losses.read_text()) if losses.is_file() else None
+
+
+def _copy_ckpts(runs, src: str, dst: str, steps) -> Path:
+    for s in steps:
+        d = runs["tmp"] / src / "checkpoints" / f"step_{s:08d}"
+        shutil.copytree(d, runs["tmp"] / dst / "checkpoints" / d.name)
+    return runs["tmp"] / dst / "checkpoints"
+
+
+@pytest.mark.dist
+def test_damaged_checkpoint_falls_back(runs, capsys):
+    """Item 4: 4 KiB of a rank's lm_head bytes overwritten in d2t2's step-8 checkpoint: the resume
+    warns naming the file, falls back to step 4 and recomputes steps 5-8 exactly (before: it loaded
+    the garbage and resumed at step 8)."""
+    import torch.distributed.checkpoint as dcp
+
+    ck = _copy_ckpts(runs, "d2t2", "damaged", (CKPT_EVERY, STEPS))
+    d8 = ck / f"step_{STEPS:08d}"
+    meta = dcp.FileSystemReader(str(d8)).read_metadata()
+    idx, info = next((i, v) for i, v in meta.storage_data.items() if i.fqn == "model.lm_head.weight")
+    f = d8 / info.relative_path
+    raw = bytearray(f.read_bytes())
+    n = min(4096, info.length)
+    raw[info.offset:info.offset + n] = b"\x7f" * n
+    f.write_bytes(bytes(raw))
+    err, out, res = _in_process(runs, "damaged", capsys, [], ["--resume"])
+    assert err is None, (err, out[-3000:])
+    assert f"step_{STEPS:08d} is damaged" in out and f"{info.relative_path}: sha256 mismatch" in out, out[-3000:]
+    assert res["resumed_from"] == CKPT_EVERY, out[-3000:]
+    diff = _max_diff(res["losses"], runs["d2t2"]["losses"])
+    assert diff < TOL, f"fallback resume vs uninterrupted (2,2): {diff:.3e}\n{res['losses']}"
+    assert (ck / f"step_{STEPS:08d}.damaged").is_dir() and (ck / f"step_{STEPS:08d}" / "complete.json").is_file()
+
+
+@pytest.mark.dist
+def test_resume_with_another_schedule(runs, capsys):
+    """Item 6: d2t2's step-4 checkpoint (8-step schedule) resumed with training.steps=10 stops before
+    loading, saying what changed and how to proceed; with training.resume_schedule=checkpoint it keeps
+    the 8-step schedule: steps 5-8 equal the uninterrupted run's (before: silently re-planned)."""
+    _copy_ckpts(runs, "d2t2", "resched", (CKPT_EVERY,))
+    err, out, _ = _in_process(runs, "resched", capsys, ["training.steps=10"], ["--resume"])
+    assert isinstance(err, SystemExit), (err, out[-3000:])
+    msg = str(err.code)
+    assert "training.steps 8 -> 10" in msg and "--set training.steps=8" in msg and "resume_schedule=checkpoint" in msg, msg
+    assert "resumed from" not in out
+    err, out, res = _in_process(runs, "resched", capsys, ["training.steps=10", "training.resume_schedule=checkpoint"],
+                                ["--resume"])
+    assert err is None, (err, out[-3000:])
+    assert res["resumed_from"] == CKPT_EVERY and len(res["losses"]) == 10
+    diff = _max_diff(res["losses"][:STEPS], runs["d2t2"]["losses"])
+    assert diff < TOL, f"stored schedule kept vs uninterrupted: {diff:.3e}\n{res['losses']}"
 
 
 def _load(*sets):

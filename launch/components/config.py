@@ -71,6 +71,9 @@ class TrainingConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     grad_clip: float = 1.0       # global grad-norm clip over the whole model; 0 disables
     dtype: str = "fp32"          # "fp32" or "bf16" (autocast on the body, bf16 loss, fp32 master weights)
+    # resuming with another steps/warmup_steps/lr/min_lr_ratio than the checkpoint's: "check" fails naming
+    # the change, "checkpoint" keeps the stored schedule, "config" takes this run's from the next step on
+    resume_schedule: str = "check"
 
 
 @dataclass
@@ -125,6 +128,7 @@ class Config:
 
 
 _CHOICES = {("model", "head"): ("flce", "torch"), ("training", "dtype"): ("fp32", "bf16"),
+            ("training", "resume_schedule"): ("check", "checkpoint", "config"),
             ("data", "tokenizer"): ("bpe", "byte"), ("job", "device"): ("auto", "cpu", "cuda"),
             ("job", "progress"): ("auto", "on", "off")}
 

@@ -21,7 +21,8 @@ from .settings import Settings, current
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Arguments of fused_linear_cross_entropy that are not LossOptions fields.
-NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "num_items_in_batch", "settings")
+NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "vocab_size", "num_items_in_batch",
+               "settings")
 
 # Never traced by TorchDynamo: the once-per-shape shard check with a group (a collective and a host
 # sync), and the eager Function (used whenever the custom op is not: eager calls, and under
@@ -96,6 +97,7 @@ def fused_linear_cross_entropy(
     bias: torch.Tensor | None = None,
     group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
+    vocab_size: int | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
     settings: Settings | None = None,
     ignore_index: int = -100,
@@ -122,6 +124,9 @@ def fused_linear_cross_entropy(
     parallelism); see ``distributed/dtensor.py``. ``sequence_parallel=True``: hidden and target are
     this rank's equal-sized token slice (rank order); the per-token outputs (``reduction="none"``,
     lse) are for that slice too, and dX is reduce-scattered back.
+
+    ``vocab_size``: the global vocabulary size, checked (once per shape, on every rank) against the
+    rows the shards hold in all; without it V is their sum (a DTensor weight gives its own).
 
     Options (``LossOptions``: defaults, checks, meaning): ``ignore_index``, ``reduction``,
     ``label_smoothing``, ``z_loss``, ``softcap``, ``temperature``, ``sequence_parallel``,
@@ -162,11 +167,17 @@ def fused_linear_cross_entropy(
         bias = _check_tensor("bias", bias)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)
+                                   or vocab_size < 1):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     dt = None  # DTensor inputs: run on the local tensors (distributed/dtensor.py)
     if any(is_dtensor(t_) for t_ in (hidden, weight, bias, target)):
         dt = unwrap(hidden, weight, target, bias, group, vocab_start, options.sequence_parallel, options.ignore_index)
         hidden, weight, bias, target, group = dt.hidden, dt.weight, dt.bias, dt.target, dt.group
         options = options.replace(sequence_parallel=dt.sequence_parallel)
+        if vocab_size is not None and vocab_size != dt.vocab_size:
+            raise ValueError(f"vocab_size={vocab_size} but the DTensor weight has {dt.vocab_size} rows")
+        vocab_size = dt.vocab_size
     _check_shapes(hidden, weight, target, bias)
 
     h = hidden.shape[-1]
@@ -174,16 +185,15 @@ def fused_linear_cross_entropy(
     needs_grad = torch.is_grad_enabled() and any(t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
     compiling = torch.compiler.is_compiling()
     if group is None:  # no collective: stays inside a compiled graph
-        (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device), "", 1
+        (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
+                                                       vocab_size=vocab_size), "", 1
     else:  # the call's fields, compared across ranks once per shape
         fields = (h, str(hidden.dtype), bias is not None, needs_grad, num_items_in_batch is not None,
                   options.signature(), settings)
-        start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields)
-    if dt is not None and vocab != dt.vocab_size:
-        raise ValueError(f"weight is a DTensor of {dt.vocab_size} vocab rows but its shards along the mesh hold "
-                         f"{vocab} rows in all: its local tensors do not match its global shape")
+        start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields,
+                                                vocab_size)
     t = target.reshape(-1).to(torch.int64)
-    if t.device.type == "cpu" and t.numel() and not compiling:
+    if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
         bad = (t != options.ignore_index) & ((t < 0) | (t >= vocab))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from .chunking import chunk_rows
 from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
                           reduce_scatter_rows)
+from .distributed.guard import call_guard, raise_if_failed, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
 from .options import FLCEParams
@@ -90,25 +91,51 @@ def _grad_kw(p: FLCEParams) -> dict:
                 one_minus_eps=1.0 - p.label_smoothing, two_zl=2.0 * p.z_loss, softcap=p.cap, settings=p.settings)
 
 
+class _Guard:
+    """The call's cross-rank guard (``distributed/guard.py``): built once per call, sent with every
+    statistics all-gather; a failed verdict makes that chunk's lse NaN (so the loss and all gradients
+    are NaN on every rank) and, where a host sync is free (CPU) or already paid (``check_finite``),
+    raises the same ValueError on every rank at the first all-gather."""
+
+    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
+                 rows: int, fields: tuple) -> None:
+        self.on = group_size(group) > 1
+        self.words = call_guard(x, tgt, p.ignore_index, p.vocab_size, rows, fields) if self.on else None
+        self.raise_ok = x.device.type == "cpu" or p.check_finite
+        self.group, self.checked = group, False
+
+    def combine(self, local: torch.Tensor) -> torch.Tensor:
+        st, guards = combine_stats(local, self.group, self.words)
+        if guards is not None:
+            if self.raise_ok and not self.checked:
+                raise_if_failed(guards)
+            self.checked = True
+            st[:, 0] = torch.where(verdict(guards), st[:, 0], torch.full_like(st[:, 0], float("nan")))
+        return st
+
+
 def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                  p: FLCEParams, group: dist.ProcessGroup | None) -> torch.Tensor:
+                  p: FLCEParams, guard: _Guard) -> torch.Tensor:
     """Global per-token stats [N, 4] without keeping logits (one collective). An empty batch or
     shard gets (-inf, 0, 0, -inf) rows from the empty-chunk path of ``kernels.launch.lse_forward``."""
-    return combine_stats(K.lse_forward(x, w, b, tl, p.logit_scale, p.cap, p.needs_sum, p.settings), group)
+    return guard.combine(K.lse_forward(x, w, b, tl, p.logit_scale, p.cap, p.needs_sum, p.settings))
+
+
+def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None) -> int:
+    """Token rows per chunk of the fused strategy. Every rank must plan the same token chunks (one
+    stats all-gather per chunk): plan with the largest shard of an even split, ceil(V / P), not this
+    rank's own size, and 1/P of the budget. dX and dW are the returned gradients, so they are not
+    charged to the budget."""
+    tp = group_size(group)
+    return chunk_rows(n, -(-p.vocab_size // tp), x.element_size(), x.device, p.settings, share=tp)
 
 
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                           g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None):
+                           g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, rows: int, guard: _Guard):
     """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded)."""
     n, _ = x.shape
     v = w.shape[0]
-    # Every rank must plan the same token chunks (one stats all-gather per chunk): plan with the
-    # largest shard of an even split, ceil(V / P), not this rank's own size, and 1/P of the budget.
-    # dX and dW are the returned gradients, so they are not charged to the budget.
-    tp = group_size(group)
-    v_plan = -(-p.vocab_size // tp)
-    rows = chunk_rows(n, v_plan, x.element_size(), x.device, p.settings, share=tp)
     stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
     dx = torch.empty_like(x)
     dw = torch.empty_like(w)  # the first chunk writes it (no zero fill), later chunks accumulate
@@ -129,7 +156,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         else:  # cuBLAS logits, then one read of them for the statistics
             K.logits(xc, w, b, out=z)
             local = K.chunk_stats(z, tc, p.logit_scale, p.cap, p.needs_sum, p.settings)
-        st = combine_stats(local, group)
+        st = guard.combine(local)
         stats[i:i + rows] = st
         K.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
         torch.mm(z, w, out=dx[i:i + rows])
@@ -207,17 +234,21 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     tl = local_targets(tgt, p, weight.shape[0])
     valid = tgt != p.ignore_index
     pre = None
-    if uses_fused(needs_grad, p.reduction, p.strategy):
+    fused = uses_fused(needs_grad, p.reduction, p.strategy)
+    rows = fused_plan(x.shape[0], x, p, group) if fused else 0
+    guard = _Guard(x, tgt, p, group, rows, (p.options.signature(), p.settings.astuple(), bias is not None, needs_grad))
+    if fused:
         g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
-        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group)
+        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard)
         if sp:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
     else:
-        stats = forward_stats(x, weight, bias, tl, p, group)
+        stats = forward_stats(x, weight, bias, tl, p, guard)
     loss_rows = token_loss(stats, valid, p)
-    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device
-    # assert, no host sync; the API raises instead where the check is free, on CPU).
+    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device assert,
+    # no host sync; the API raises instead where the check is free, on CPU without a group, and the
+    # guard on every rank of a group).
     bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
     loss_rows = torch.where(bad, torch.full_like(loss_rows, float("nan")), loss_rows)
     rank_slice = slice(0, n_in)

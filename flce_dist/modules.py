@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import NON_OPTIONS, fused_linear_cross_entropy
+from .api import NON_OPTIONS, _num_items, fused_linear_cross_entropy
 from .distributed import group_rank, group_size, vocab_shard
 from .distributed.dtensor import chunk_span, is_dtensor
 from .options import LossOptions
@@ -31,6 +31,8 @@ class FusedLinearCrossEntropyLoss(nn.Module):
                             f"(allowed: {sorted(allowed)})")
         LossOptions(ignore_index=ignore_index, reduction=reduction,
                     **{k: v for k, v in options.items() if k in LossOptions.keywords()})
+        if options.get("num_items_in_batch") is not None:
+            _num_items(options["num_items_in_batch"], torch.device("cpu"))
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None, **overrides: Any):

@@ -215,6 +215,74 @@ def module_and_errors(ck, dev, group):
         ck.true(f"disagreeing options error names the ranks ({exc})", f"ranks [{p - 1}]" in str(exc))
 
 
+def guards(ck, dev, group):
+    """The per-call cross-rank guard (flce_dist/distributed/guard.py): after an identical first call
+    (the shard check is cached), a rank that changes an option, passes other targets or hidden states,
+    or (sequence parallel) a target outside [0, V) in its slice: on CPU every rank raises the same
+    ValueError (no rank blocks); on the GPU every rank's loss is NaN, or with check_finite=True every
+    rank raises the ValueError. Never a finite wrong loss. Also vocab_size against overlapping shards."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(55)
+    n, h, v = 6 * p, 24, 10 * p + 3
+    x = torch.randn(n, h, generator=g).to(dev)
+    w = (torch.randn(v, h, generator=g) * h**-0.5).to(dev)
+    t = torch.randint(0, v, (n,), generator=g).to(dev)
+    s, e = vocab_shard(v, r, p)
+    ws = w[s:e].clone()
+    raises = dev.type == "cpu"
+
+    def call(xx, tt, sp=False, **opts):
+        rows = slice(r * (n // p), (r + 1) * (n // p)) if sp else slice(0, n)
+        xs = xx[rows].clone().requires_grad_()
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws.clone().requires_grad_(), tt[rows], group=group,
+                                                    sequence_parallel=sp, **opts)
+        return loss
+
+    def expect(name, words, fn):
+        for strategy in ("fused", "recompute"):
+            label = f"guard {strategy}: {name}"
+            try:
+                loss = fn(strategy)
+                bad = not raises and bool(torch.isnan(loss.detach()).all())
+                ck.true(f"{label}: every rank's loss is NaN (got {loss.detach().flatten()[:2].tolist()})", bad)
+            except ValueError as exc:
+                ck.true(f"{label}: ValueError names {words} ({exc})", raises and all(w_ in str(exc) for w_ in words))
+            if not raises:  # the GPU: with check_finite the same case raises on every rank
+                try:
+                    fn(strategy, check_finite=True)
+                    ck.true(f"{label}, check_finite: ValueError", False)
+                except ValueError as exc:
+                    ck.true(f"{label}, check_finite: ValueError names {words} ({exc})", all(w_ in str(exc) for w_ in words))
+                except FloatingPointError as exc:
+                    ck.true(f"{label}, check_finite: ValueError, got FloatingPointError {exc}", False)
+
+    for strategy in ("fused", "recompute"):  # identical calls: cached shard check, guard passes
+        ck.close(f"guard {strategy}: identical call", call(x, t, strategy=strategy),
+                 reference_loss(x.double().cpu(), w.double().cpu(), t.cpu()), 1e-5)
+    other_t = t.clone()
+    other_t[3] = (t[3] + 1) % v
+    other_x = x.clone()
+    other_x[0, 0] += 1.0
+    bad_t = t.clone()
+    bad_t[r * (n // p)] = v + 5  # in this rank's sequence-parallel slice
+    expect("an option changed on one rank", ["call"],
+           lambda st, **k: call(x, t, strategy=st, ignore_index=-1 if r == p - 1 else -100, **k))
+    expect("other targets on one rank", ["targets"], lambda st, **k: call(x, other_t if r == p - 1 else t, strategy=st, **k))
+    expect("other hidden states on one rank", ["hidden"], lambda st, **k: call(other_x if r == 0 else x, t, strategy=st, **k))
+    expect("a bad target in one rank's sequence-parallel slice", ["outside [0, V)"],
+           lambda st, **k: call(x, bad_t if r == p - 1 else t, sp=True, strategy=st, **k))
+    for strategy in ("fused", "recompute"):  # the guard leaves the group usable: a correct call still works
+        ck.close(f"guard {strategy}: correct call after the failures", call(x, t, strategy=strategy),
+                 reference_loss(x.double().cpu(), w.double().cpu(), t.cpu()), 1e-5)
+    # vocab_start=None, every rank passing the FULL weight: the shards overlap; vocab_size catches it
+    fresh = dist.new_group(list(range(p)))
+    try:
+        flce_dist.fused_linear_cross_entropy(x, w, t, group=fresh, vocab_size=v)
+        ck.true("overlapping shards with vocab_size raise ValueError", False)
+    except ValueError as exc:
+        ck.true(f"overlapping shards with vocab_size: error names vocab_size ({exc})", "vocab_size" in str(exc))
+
+
 def big_memory(ck, dev, group):
     """NCCL only: llama3 shard at N=8192; no rank allocates its [N, V_local] logits."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
@@ -296,6 +364,7 @@ def main():
                 determinism(ck, dev, group, dtype)
             compiled(ck, dev, group, dtypes[0])
             module_and_errors(ck, dev, group)
+            guards(ck, dev, group)
             if args.big and args.backend == "nccl":
                 big_memory(ck, dev, group)
     except Exception:  # noqa: BLE001

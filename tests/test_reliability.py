@@ -189,3 +189,58 @@ def test_tune_specs_launch_the_kernels_as_the_loss_does():
         if kind == "lse_forward":
             small["block_n"] = 16  # hl.dot tiles are at least 16
         kern(*args, *(small[k] for k in launch.BLOCK_ORDER[kind]))
+
+
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+def test_double_backward_is_refused(strategy):
+    """create_graph=True (a gradient penalty) would get gradients without a graph: refuse it clearly."""
+    import flce_dist
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 16, generator=g, requires_grad=True)
+    w = torch.randn(21, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 21, (9,), generator=g)
+    loss = flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    # a plain backward still works afterwards on a fresh call
+    flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy).backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("kwargs, err, words", [
+    (dict(z_loss=float("nan")), ValueError, "z_loss"),
+    (dict(z_loss=float("inf")), ValueError, "z_loss"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(temperature=float("inf")), ValueError, "temperature"),
+    (dict(label_smoothing=float("nan")), ValueError, "label_smoothing"),
+    (dict(num_items_in_batch=-3), ValueError, "num_items_in_batch"),
+    (dict(num_items_in_batch=torch.tensor([4, 5])), ValueError, "num_items_in_batch"),
+    (dict(num_items_in_batch=float("inf")), ValueError, "num_items_in_batch"),
+    (dict(ignore_index=2**70), ValueError, "ignore_index"),
+    (dict(ignore_index=True), TypeError, "ignore_index"),
+    (dict(deterministic="yes"), TypeError, "deterministic"),
+    (dict(vocab_size=0), ValueError, "vocab_size"),
+    (dict(vocab_size=22), ValueError, "vocab_size"),
+    (dict(settings="fast"), TypeError, "settings"),
+])
+def test_bad_option_values_name_the_argument(kwargs, err, words):
+    import flce_dist
+
+    x, w, t = torch.randn(5, 8), torch.randn(21, 8), torch.randint(0, 21, (5,))
+    with pytest.raises(err, match=words):
+        flce_dist.fused_linear_cross_entropy(x, w, t, **kwargs)
+    if "settings" not in kwargs and "vocab_size" not in kwargs:  # the module checks at construction
+        with pytest.raises(err, match=words):
+            flce_dist.FusedLinearCrossEntropyLoss(**kwargs)
+
+
+def test_zero_hidden_size_is_refused():
+    import flce_dist
+
+    x = torch.randn(4, 0, requires_grad=True)
+    w = torch.randn(0, 0, requires_grad=True)
+    with pytest.raises(ValueError, match="H=0"):
+        flce_dist.fused_linear_cross_entropy(x, torch.randn(7, 0), torch.randint(0, 7, (4,)))
+    with pytest.raises(ValueError, match="H=0"):
+        flce_dist.fused_linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.long))

@@ -37,18 +37,25 @@ def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None,
+                  guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge per-rank ``[N, 4]`` stats ``(lse_r, target_logit_r, sum_logits_r, max_logit_r)`` into
     the global ``(lse, target_logit, sum_logits, max_logit)`` with ONE all-gather (16·P·N bytes)
-    and a local logsumexp / sum / max.
+    and a local logsumexp / sum / max. ``guard`` (int32 words, ``guard.py``) rides in the same
+    all-gather as the raw bits of extra rows (32 bytes per rank); returns ``(merged, [P, words]
+    guards of every rank)`` (None without a guard or at group size 1).
 
     Ranks with an empty shard contribute ``lse_r = max_r = -inf``; logsumexp and max ignore them."""
     p = group_size(group)
     if p == 1:
-        return stats
-    out = all_gather_rows(stats, group).view(p, *stats.shape)
+        return stats, None
+    nc = stats.shape[0]
+    payload = stats if guard is None else torch.cat([stats, guard.view(stats.dtype).reshape(-1, 4)])
+    out = all_gather_rows(payload, group).view(p, -1, 4)
+    guards = None if guard is None else out[:, nc:].contiguous().view(torch.int32).reshape(p, -1)
+    out = out[:, :nc]
     lse = torch.logsumexp(out[..., 0], dim=0)
-    return torch.stack([lse, out[..., 1].sum(0), out[..., 2].sum(0), out[..., 3].amax(0)], dim=1)
+    return torch.stack([lse, out[..., 1].sum(0), out[..., 2].sum(0), out[..., 3].amax(0)], dim=1), guards
 
 
 def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:

@@ -8,7 +8,6 @@ global ids ``[start_i, start_i + V_i)`` with ``start_i = i * q + min(i, r)``.
 from __future__ import annotations
 
 import zlib
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -35,13 +34,20 @@ def shard_sizes(vocab_size: int, world_size: int) -> list[int]:
     return [e - s for s, e in (vocab_shard(vocab_size, r, world_size) for r in range(world_size))]
 
 
-@lru_cache(maxsize=1024)
-def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str,
-                    n_tokens: int, signature: int) -> tuple[int, int]:
-    # One all-gather of (start, size, tokens, call signature) per distinct (group, shard, call):
-    # a host sync, once per shape, never on the steady-state hot path.
-    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, signature]],
-                      dtype=torch.int64, device=device)
+_SHARD_CACHE: dict[tuple, tuple[int, int]] = {}
+
+
+def clear_shard_cache() -> None:
+    """Forget every checked shard (each rank must call it at the same point of its program)."""
+    _SHARD_CACHE.clear()
+
+
+def _handshake(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str, n_tokens: int,
+               signature: int, vocab_size: int | None) -> tuple[int, int]:
+    # One all-gather of (start, size, tokens, call signature, expected V) per distinct (group, shard,
+    # tokens, V): a host sync, once per shape, never on the steady-state hot path.
+    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, signature,
+                        -1 if vocab_size is None else vocab_size]], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     rows = all_gather_rows(me, group).cpu().tolist()
     if any(r[2] != rows[0][2] for r in rows):
@@ -49,8 +55,10 @@ def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | N
                          "(every rank of the group must pass the same tokens, or equal slices with sequence_parallel)")
     if any(r[3] != rows[0][3] for r in rows):
         bad = [i for i, r in enumerate(rows) if r[3] != rows[0][3]]
-        raise ValueError(f"ranks {bad} call the loss with a different hidden size, dtype, bias, gradient need or "
-                         "loss options than rank 0 (every rank of the group must make the same call)")
+        raise ValueError(f"ranks {bad} call the loss with a different hidden size, dtype, bias, gradient need, "
+                         "loss options or settings than rank 0 (every rank of the group must make the same call)")
+    if any(r[4] != rows[0][4] for r in rows):
+        raise ValueError(f"ranks disagree on vocab_size: {[None if r[4] < 0 else r[4] for r in rows]} per rank")
     explicit = [r[0] for r in rows]
     if any(s >= 0 for s in explicit) and any(s < 0 for s in explicit):
         raise ValueError("vocab_start must be given on every rank of the group or on none")
@@ -70,6 +78,9 @@ def _resolve_cached(group: dist.ProcessGroup, v_local: int, vocab_start: int | N
                 f"(shards (start, size) per rank: {[(starts[j], rows[j][1]) for j in range(world)]})"
             )
         pos += rows[i][1]
+    if rows[0][4] >= 0 and pos != rows[0][4]:
+        raise ValueError(f"vocab shards hold {pos} rows in all but vocab_size is {rows[0][4]} "
+                         f"(shards (start, size) per rank: {[(starts[j], rows[j][1]) for j in range(world)]})")
     return starts[dist.get_rank(group)], pos
 
 
@@ -80,29 +91,38 @@ def call_signature(*fields: object) -> int:
 
 
 def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
-                  n_tokens: int = 0, signature: int = 0) -> tuple[int, int]:
+                  n_tokens: int = 0, signature: int = 0, vocab_size: int | None = None) -> tuple[int, int]:
     """``(vocab_start, vocab_size)`` of this rank.
 
-    Once per distinct (group, shard, token count, call signature) it all-gathers them and raises
-    ``ValueError`` on every rank if the shards do not tile ``[0, V)`` exactly, or the ranks disagree
-    on the token count or the call signature (which would otherwise mismatch later collectives).
-    A rank whose call differs from the one it cached may instead meet the others in a different
-    collective; that ends in the group's timeout error, not a hang."""
+    Once per distinct (group, shard, token count, vocab_size) it all-gathers them with the call
+    signature and raises ``ValueError`` on every rank if the shards do not tile ``[0, V)`` exactly
+    (``V`` = ``vocab_size`` when given), or the ranks disagree on the token count or the call
+    signature. The signature is not part of the cache key: a later call that changes an option on
+    one rank only meets the per-call guard of the statistics collective (``guard.py``), which every
+    rank sees. A rank whose shard or token count changes on its own meets the others in a different
+    collective: the backend's collective-mismatch error or the group's timeout, never a wrong loss."""
     if group is None or dist.get_world_size(group) == 1:
         if vocab_start not in (None, 0):
             raise ValueError(f"vocab_start must be 0 or None without a tensor-parallel group, got {vocab_start}")
+        if vocab_size is not None and vocab_size != v_local:
+            raise ValueError(f"vocab_size is {vocab_size} but weight holds {v_local} rows without a tensor-parallel group")
         return 0, v_local
     dev = str(device) if dist.get_backend(group) == "nccl" else "cpu"
-    return _resolve_cached(group, v_local, vocab_start, dev, int(n_tokens), int(signature))
+    key = (group, v_local, vocab_start, dev, int(n_tokens), vocab_size)
+    if key not in _SHARD_CACHE:
+        if len(_SHARD_CACHE) > 1024:
+            _SHARD_CACHE.clear()
+        _SHARD_CACHE[key] = _handshake(group, v_local, vocab_start, dev, int(n_tokens), int(signature), vocab_size)
+    return _SHARD_CACHE[key]
 
 
 def resolve_call(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
-                 n_tokens: int, fields: tuple) -> tuple[int, int, str, int]:
+                 n_tokens: int, fields: tuple, vocab_size: int | None = None) -> tuple[int, int, str, int]:
     """``(vocab_start, vocab_size, group name, group size)`` of a call: the shard checks of
     :func:`resolve_shard`, with the call's ``fields`` (options, settings, shapes) compared across
     ranks, and the group's name for the compiled op. Under torch.compile the API calls it through
     ``torch.compiler.disable``: its collective and host sync stay out of compiled graphs."""
     size = group_size(group)
     sig = call_signature(*fields) if size > 1 else 0
-    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, sig)
+    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, sig, vocab_size)
     return start, vocab, group.group_name if size > 1 else "", size

@@ -1,0 +1,87 @@
+"""The per-call cross-rank guard, folded into the statistics all-gather (no extra collective).
+
+Every rank of a group must make the same call: the same options and settings, the same tokens (or
+equal slices under sequence parallelism) and the same targets, all inside ``[0, V)``. The shard
+check of ``shard.py`` compares the shapes and options once per shape; this guard checks every call,
+so that a rank that changes an option later, or passes other hidden states or targets than its
+peers, or a target outside ``[0, V)`` under sequence parallelism, never yields a finite wrong loss.
+
+Each rank appends ``WORDS`` int32 words to its ``[Nc, 4]`` statistics (as the raw bits of one or two
+extra float rows, 32 bytes) in every statistics all-gather (``collectives.combine_stats``):
+
+    0, 1   digest of the call: options, settings, global V, hidden size, dtype (host, once per call)
+    2      global token count N and rows per chunk (N * 2**16 + rows, 31 bits)
+    3      checksum of the (global) targets          (device)
+    4      raw bits of a float32 checksum of 16 rows of hidden  (device)
+    5      number of targets outside [0, V) that are not ignore_index  (device)
+    6, 7   0 (reserved)
+
+After the gather every rank holds every rank's words (the same tensor on all ranks), so all ranks
+reach the same verdict: ``ok`` = all words equal across ranks and no bad target. Without a host
+sync (CUDA) a failed guard sets the chunk's global lse to NaN, so the loss and every gradient are
+NaN on every rank (never a finite wrong value); where the check costs no sync (CPU tensors) or the
+caller already pays one (``check_finite=True``) every rank raises the same ``ValueError`` naming what
+differs. Targets and hidden are compared after the sequence-parallel gathers (then they agree by
+construction, and only the bad-target count and the call digest can differ).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .shard import call_signature
+
+WORDS = 8
+_FIELDS = ("the call (options, settings, vocabulary size, hidden size or dtype)", "the call",
+           "the number of tokens or the chunk plan", "the targets", "the hidden states")
+
+
+@lru_cache(maxsize=256)
+def call_digest(*fields: object) -> int:
+    """The call's digest (cached: the fields are hashable and repeat from step to step)."""
+    return call_signature(*fields)
+
+
+def call_guard(x: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int, rows: int,
+               fields: tuple) -> torch.Tensor:
+    """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids);
+    ``fields``: what else every rank must agree on (options, settings, bias, gradient need)."""
+    sig = call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
+    n = x.shape[0]
+    # host values as fills (kernel arguments), not a host-to-device copy: a copy from pageable
+    # memory may synchronise with the stream
+    words = torch.zeros(WORDS, dtype=torch.int32, device=x.device)
+    for i, value in enumerate((sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF, ((n % 32768) << 16) + rows % 65536)):
+        words[i] = value
+    if n:
+        t = target.to(torch.int64)
+        idx = torch.arange(1, n + 1, device=x.device, dtype=torch.int64)
+        words[3] = ((t % 1000003) * (idx % 999983)).sum().remainder(2147483647).to(torch.int32)
+        sample = x[torch.linspace(0, n - 1, min(n, 16), device=x.device).long()]
+        words[4] = sample.float().sum().reshape(1).view(torch.int32)[0]
+        bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+        words[5] = bad.sum().to(torch.int32)
+    return words
+
+
+def verdict(guards: torch.Tensor) -> torch.Tensor:
+    """0-d bool on the device: every rank made the same call and no target is outside [0, V)."""
+    return (guards == guards[0]).all() & (guards[0, 5] == 0)
+
+
+def raise_if_failed(guards: torch.Tensor) -> None:
+    """The same ``ValueError`` on every rank (a host sync: only where it is free or already paid)."""
+    g = guards.cpu()
+    if bool((g == g[0]).all()) and int(g[0, 5]) == 0:
+        return
+    for word, what in enumerate(_FIELDS):
+        col = g[:, word].tolist()
+        if any(c != col[0] for c in col):
+            ranks = [r for r, c in enumerate(col) if c != col[0]]
+            raise ValueError(f"ranks {ranks} of the group call the loss with other {what} than rank 0: every rank of "
+                             "a tensor-parallel group must make the same call (the same hidden and target without "
+                             "sequence parallelism)")
+    bad = g[:, 5].tolist()
+    raise ValueError(f"{max(bad)} target(s) outside [0, V) that are not ignore_index (counts per rank: {bad})")

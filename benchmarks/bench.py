@@ -39,7 +39,7 @@ from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms as ti
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data as bench_data  # noqa: E402
 
-DATA_MODES = ("random", "realistic", "trained")
+DATA_MODES = bench_data.DATA_MODES
 
 
 def _impls():
@@ -97,18 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--impls", default="", help="comma list, e.g. flce,cce,cce_exact (default: all available)")
-    ap.add_argument("--data", default="random,realistic",
-                    help=f"comma list of data modes from {DATA_MODES} (benchmarks/data.py)")
-    ap.add_argument("--fixture", default="", help="the .pt fixture of --data trained (benchmarks/capture_trained.py)")
-    ap.add_argument("--sorted-vocab", action="store_true", help="realistic mode: token ids in frequency order")
+    bench_data.add_data_args(ap)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    args.data = [d for d in args.data.split(",") if d]
-    bad = [d for d in args.data if d not in DATA_MODES]
-    if bad or not args.data:
-        ap.error(f"--data: unknown mode(s) {bad} (choose from {DATA_MODES})")
-    if "trained" in args.data and not args.fixture:
-        ap.error("--data trained needs --fixture PATH (benchmarks/capture_trained.py writes one)")
+    bench_data.check_data_args(ap, args)
     bad = [s for s in args.shapes.split(",") if s not in SHAPES]
     if bad:
         ap.error(f"--shapes: unknown {bad} (choose from {list(SHAPES)})")

@@ -106,17 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--impls", default="flce,megatron,liger_vp,deepspeed")
-    ap.add_argument("--data", default="random,realistic", help=f"comma list of data modes from {DATA_MODES}")
-    ap.add_argument("--fixture", default="", help="the .pt fixture of --data trained (benchmarks/capture_trained.py)")
-    ap.add_argument("--sorted-vocab", action="store_true", help="realistic mode: token ids in frequency order")
+    bench_data.add_data_args(ap)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    args.data = [d for d in args.data.split(",") if d]
-    bad = [d for d in args.data if d not in DATA_MODES]
-    if bad or not args.data:
-        ap.error(f"--data: unknown mode(s) {bad} (choose from {DATA_MODES})")
-    if "trained" in args.data and not args.fixture:
-        ap.error("--data trained needs --fixture PATH (benchmarks/capture_trained.py writes one)")
+    bench_data.check_data_args(ap, args)
     return args
 
 

@@ -254,3 +254,23 @@ DESCRIBE_KEYS = ("loss", "entropy", "max_logit", "logit_std", "skip_frac", "skip
 def describe_line(d: dict) -> str:
     return (f"loss {d['loss']:.2f} nats, entropy {d['entropy']:.2f} (std {d['entropy_std']:.2f}), max logit "
             f"{d['max_logit']:.1f}, logit std {d['logit_std']:.2f}, negligible blocks {d['skip_frac']:.3f} (vocab sorted by mean logit: {d['skip_frac_sorted']:.3f}), {d['rows']} rows")
+
+
+DATA_MODES = ("random", "realistic", "trained")
+
+
+def add_data_args(ap) -> None:
+    """The data-mode options every benchmark takes (``--data``, ``--fixture``, ``--sorted-vocab``)."""
+    ap.add_argument("--data", default="random,realistic", help=f"comma list of data modes from {DATA_MODES}")
+    ap.add_argument("--fixture", default="", help="the .pt fixture of --data trained (benchmarks/capture_trained.py)")
+    ap.add_argument("--sorted-vocab", action="store_true", help="realistic mode: token ids in frequency order")
+
+
+def check_data_args(ap, args) -> None:
+    """Split ``args.data`` into a list and reject unknown modes (``ap.error``)."""
+    args.data = [d for d in args.data.split(",") if d]
+    bad = [d for d in args.data if d not in DATA_MODES]
+    if bad or not args.data:
+        ap.error(f"--data: unknown mode(s) {bad} (choose from {DATA_MODES})")
+    if "trained" in args.data and not args.fixture:
+        ap.error("--data trained needs --fixture PATH (benchmarks/capture_trained.py writes one)")

@@ -145,13 +145,14 @@ def main() -> None:
             rows.append(dict(shape=shape, part="dX all-reduce (in the floor)", ms=ar, frac_of_floor=ar / floor))
         rows.append(dict(shape=shape, part=f"floor: {nmm} x matmul{' + all-reduce' if ar else ''}", ms=floor, frac_of_floor=1.0))
         if args.mode == "fwd" and tp == 1:  # the logits+stats kernel alone vs the matmul, both back to back (CUDA events, no profiler)
-            from flce_dist import runtime as R
+            from flce_dist.kernels import launch
+            from flce_dist.settings import current
 
             xd, wd, tl = x.detach(), w.detach(), t.to(torch.int32)
             mm_st = cuda_steady_ms(lambda: xd @ wd.T, 5)
-            k_st = cuda_steady_ms(lambda: R.lse_forward(xd, wd, None, tl, 1.0, 0.0, False), 5)
+            k_st = cuda_steady_ms(lambda: launch.lse_forward(xd, wd, None, tl, 1.0, 0.0, False, current()), 5)
             rows.append(dict(shape=shape, part="bare matmul, back to back", ms=mm_st, frac_of_floor=mm_st / mm))
-            rows.append(dict(shape=shape, part="runtime.lse_forward, b2b", ms=k_st, frac_of_floor=k_st / mm))
+            rows.append(dict(shape=shape, part="launch.lse_forward, b2b", ms=k_st, frac_of_floor=k_st / mm))
         for k, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:8]:
             top.append(f"{shape:7} {ms:8.3f} ms  {k[:110]}")
         del x, w, t

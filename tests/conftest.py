@@ -23,12 +23,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-# Small blocks so that reference mode runs several tiles in every tiled dimension.
-SMALL_BLOCKS = {
-    "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
-    "chunk_stats": {"block_n": 8, "block_v": 32},
-    "chunk_grad": {"block_n": 8, "block_v": 32},
-}
+from ._checks import SMALL_BLOCKS, rel  # noqa: E402,F401  (re-exported to the test files)
 
 
 @pytest.fixture
@@ -37,8 +32,3 @@ def small_tiles():
 
     with settings.override(blocks=SMALL_BLOCKS):
         yield
-
-
-def rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

@@ -23,40 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
 from flce_dist import reference_loss, settings, vocab_shard  # noqa: E402
-
-SMALL_BLOCKS = {
-    "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
-    "chunk_stats": {"block_n": 8, "block_v": 32},
-    "chunk_grad": {"block_n": 8, "block_v": 32},
-}
-
-
-def rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-class Checker:
-    def __init__(self, rank):
-        self.rank, self.failures, self.count = rank, [], 0
-
-    def close(self, name, got, ref, tol):
-        self.count += 1
-        if got.shape != ref.shape:
-            self.failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
-            return
-        if not torch.isfinite(got).all():
-            self.failures.append(f"{name}: non-finite values")
-            return
-        e = rel(got, ref) if ref.abs().max() > 0 else got.abs().max().item()
-        if not e <= tol:
-            self.failures.append(f"{name}: rel err {e:.3e} > {tol:.1e}")
-
-    def true(self, name, cond):
-        self.count += 1
-        if not cond:
-            self.failures.append(name)
-
+from tests._checks import SMALL_BLOCKS, Checker  # noqa: E402
 
 def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignore="some", seed=0, tol=None, **opts):
     p, r = dist.get_world_size(group), dist.get_rank(group)
@@ -369,9 +336,7 @@ def main():
                 big_memory(ck, dev, group)
     except Exception:  # noqa: BLE001
         ck.failures.append("exception:\n" + traceback.format_exc())
-    for f in ck.failures:
-        print(f"[rank {r}] FAIL {f}", flush=True)
-    print(f"[rank {r}] {ck.count - len(ck.failures)} passed, {len(ck.failures)} failed", flush=True)
+    ck.report()
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(1 if ck.failures else 0)  # skip interpreter teardown (see tests/test_integrations.py)

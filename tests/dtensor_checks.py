@@ -29,57 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
 from flce_dist import reference_loss, settings, vocab_shard  # noqa: E402
 from flce_dist.distributed.dtensor import chunk_span  # noqa: E402
-from flce_dist.distributed.shard import _resolve_cached  # noqa: E402
-
-SMALL_BLOCKS = {
-    "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
-    "chunk_stats": {"block_n": 8, "block_v": 32},
-    "chunk_grad": {"block_n": 8, "block_v": 32},
-}
-
-
-def rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-class Checker:
-    def __init__(self, rank):
-        self.rank, self.failures, self.count = rank, [], 0
-
-    def close(self, name, got, ref, tol):
-        self.count += 1
-        if isinstance(got, DTensor):
-            self.failures.append(f"{name}: expected local values, got a DTensor")
-            return
-        if tuple(got.shape) != tuple(ref.shape):
-            self.failures.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
-            return
-        if not torch.isfinite(got).all():
-            self.failures.append(f"{name}: non-finite values")
-            return
-        e = rel(got, ref) if ref.numel() and ref.abs().max() > 0 else (got.abs().max().item() if got.numel() else 0.0)
-        if not e <= tol:
-            self.failures.append(f"{name}: rel err {e:.3e} > {tol:.1e}")
-
-    def true(self, name, cond):
-        self.count += 1
-        if not cond:
-            self.failures.append(name)
-
-    def raises(self, name, exc_type, words, fn):
-        self.count += 1
-        try:
-            fn()
-        except exc_type as exc:
-            if not all(w in str(exc) for w in words):
-                self.failures.append(f"{name}: message {str(exc)!r} lacks {words}")
-            return
-        except Exception as exc:  # noqa: BLE001
-            self.failures.append(f"{name}: raised {type(exc).__name__}: {exc}")
-            return
-        self.failures.append(f"{name}: did not raise")
-
+from flce_dist.distributed.shard import clear_shard_cache  # noqa: E402
+from tests._checks import SMALL_BLOCKS, Checker  # noqa: E402
 
 def _weight(w: torch.Tensor, mesh, tp_dim: int, split: str, dev, dtype) -> DTensor:
     """The full [V, ...] ``w`` as a DTensor Shard(0) on mesh dim ``tp_dim`` (Replicate elsewhere)."""
@@ -102,7 +53,7 @@ def case(ck, dev, mesh, tp_dim, *, b=2, t=7, h=40, v=53, split="chunk", hidden_k
     # The shard check is cached per rank on (group, local shard, tokens, call): a case that changes only
     # some ranks' shards would split the ranks between cached and handshaking (the cross-rank guard of
     # issue 17); every rank starts each case from an empty cache, in the same order.
-    _resolve_cached.cache_clear()
+    clear_shard_cache()
     name = (f"mesh={tuple(mesh.shape)} tp_dim={tp_dim} split={split} hidden={hidden_kind} target={target_kind} "
             f"bias={bias} {reduction} tied={tied} b={b} t={t} v={v} {opts or ''}")
     g = torch.Generator().manual_seed(seed)
@@ -283,9 +234,7 @@ def main() -> int:
                 module(ck, dev, mesh, d)
     except Exception:  # noqa: BLE001
         ck.failures.append("exception:\n" + traceback.format_exc())
-    for f in ck.failures:
-        print(f"[rank {rank}] FAIL {f}", flush=True)
-    print(f"[rank {rank}] {ck.count - len(ck.failures)} passed, {len(ck.failures)} failed", flush=True)
+    ck.report()
     dist.barrier()
     dist.destroy_process_group()
     return 1 if ck.failures else 0

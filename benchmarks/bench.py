@@ -26,13 +26,15 @@ vocab sorted by mean logit in backward) and exact (``cce_exact``: ``filter_eps=N
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if importlib.util.find_spec("flce_dist") is None:  # a tree on PYTHONPATH wins (device.sh ab/tpab: before vs after)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
 from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, write_csv  # noqa: E402
 

@@ -23,6 +23,7 @@ form, so it is not in this benchmark.)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -30,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if importlib.util.find_spec("flce_dist") is None:  # a tree on PYTHONPATH wins (device.sh ab/tpab: before vs after)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
 from flce_dist._timing import SHAPES, cuda_time_ms, write_csv  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests dtensor ab tune tunestore tunecls sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile
+#   bash benchmarks/device.sh tests dtensor ab tpab tune tunestore tunecls sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -32,6 +32,10 @@ for w in ${*:-tests bench}; do
     ab) for tree in ${AB_TREES:-.old .}; do  # before/after a refactor: the loss alone vs the matmul, same machine
           tag=$([ "$tree" = . ] && echo new || echo "$tree")
           PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 200 python3 benchmarks/ab_flce.py --tag "$tag" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} 2>&1 | flt | grep "^\[" ; done | tee "$OUT/ab.log" ;;
+    tpab) for tree in ${AB_TREES:-.old .}; do  # TP=2 before/after (e.g. the per-call guard): flce vs its floor, same machine
+          tag=$([ "$tree" = . ] && echo new || echo "$tree")
+          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --impls flce \
+            --data random --shapes ${AB_SHAPES:-llama3,gemma} --reps 10 2>&1 | flt | grep -v "^W1\|^I1" | tail -6 | sed "s/^/[$tag] /"; done | tee "$OUT/tpab.log" ;;
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
     bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32${FLCE_CHUNK_MB:+_$FLCE_CHUNK_MB}.log" | tail -6 ;;
     profile) timeout 150 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | tee "$OUT/profile${PROFILE_TAG:-}.log" | tail -30 ;;

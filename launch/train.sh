@@ -3,7 +3,8 @@
 #
 #   bash launch/train.sh                                        # 2 ranks, configs/train/tiny_cpu.toml
 #   NGPU=4 CONFIG=configs/train/llama_small_gpu.toml bash launch/train.sh --set training.steps=500
-#   MAX_RESTARTS=1 bash launch/train.sh --resume                # restart failed workers from the last checkpoint
+#   FAIL_AT_STEP=30 MAX_RESTARTS=1 bash launch/train.sh --set job.out_dir=runs/restart --overwrite
+#                                  # rank 1 SIGKILLs itself after step 30; torchrun restarts both, they resume from step 25
 #
 # Environment: NGPU (ranks on this node, default 2 = dp x tp of the config's [parallel] section, dp = -1
 # taking the rest; on CPU-only machines the ranks are gloo processes), CONFIG (TOML, default configs/train/tiny_cpu.toml), MAX_RESTARTS

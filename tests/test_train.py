@@ -14,7 +14,11 @@ seed and the same global batch of 4 sequences, 8 steps, a checkpoint every 4:
   after step 6, torchrun restarts both ranks, which resume from the step-4 checkpoint.
 
 Then (``resumed``): ``d2t2``'s step-4 DCP checkpoint resumed at (dp=4, tp=1), and a fresh start
-over an existing ckpt_dir, which must be refused. Config errors are plain unit tests.
+over an existing ckpt_dir, which must be refused. In this pytest process (one rank, ``main()``
+called directly, a few seconds): d2t2's checkpoints resumed with 4 KiB of the step-8 lm_head bytes
+overwritten (falls back to step 4, warns naming the file) and with another ``training.steps``
+(refused before loading; kept with ``training.resume_schedule=checkpoint``). Config errors are
+plain unit tests; the cheaper reliability tests are in ``tests/test_train_reliability.py``.
 """
 
 from __future__ import annotations
@@ -211,7 +215,7 @@ def _copy_ckpts(runs, src: str, dst: str, steps) -> Path:
 def test_damaged_checkpoint_falls_back(runs, capsys):
     """Item 4: 4 KiB of a rank's lm_head bytes overwritten in d2t2's step-8 checkpoint: the resume
     warns naming the file, falls back to step 4 and recomputes steps 5-8 exactly (before: it loaded
-    the garbage and resumed at step 8)."""
+    the garbage silently and resumed at step 8)."""
     import torch.distributed.checkpoint as dcp
 
     ck = _copy_ckpts(runs, "d2t2", "damaged", (CKPT_EVERY, STEPS))
@@ -220,8 +224,8 @@ def test_damaged_checkpoint_falls_back(runs, capsys):
     idx, info = next((i, v) for i, v in meta.storage_data.items() if i.fqn == "model.lm_head.weight")
     f = d8 / info.relative_path
     raw = bytearray(f.read_bytes())
-    n = min(4096, info.length)
-    raw[info.offset:info.offset + n] = b"\x7f" * n
+    at = info.offset + info.length // 2  # inside the tensor's bytes: the load itself would not notice
+    raw[at:at + 4096] = b"\x5f" * 4096  # float32 1.6e19: before the fix, exit 0 and a loss of ~1e19
     f.write_bytes(bytes(raw))
     err, out, res = _in_process(runs, "damaged", capsys, [], ["--resume"])
     assert err is None, (err, out[-3000:])

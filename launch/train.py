@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from components import checkpoint as ckpt  # noqa: E402
 from components.config import load_config  # noqa: E402
 from components.data import CORPUS_NAME, SequenceData, build_tokens  # noqa: E402
+from components import metrics  # noqa: E402
 from components.metrics import setup_logging, write_losses  # noqa: E402
 from components.model import build_model, lr_at, make_optimizer  # noqa: E402
 from components.parallelize import build_mesh, clip_grad_norm_, parallelize  # noqa: E402
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(start_step + 1, t.steps + 1):
-        with step_errors(step, job.timeout_s):  # a failed collective (timeout) names the step
+        with step_errors(step, job.timeout_s), \
+                metrics.profile_step(step == job.profile_step, Path(job.out_dir), rank, step, use_cuda):
             if step == start_step + 1 + warm_steps:
                 if use_cuda:
                     torch.cuda.synchronize(device)

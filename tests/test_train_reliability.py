@@ -280,3 +280,15 @@ def test_config_errors_name_the_key():
         load_config(str(CONFIG), ["steps=ten"], environ={})
     with pytest.raises(ValueError, match=r"training\.batch_size must be >= 1, got 0"):
         load_config(str(CONFIG), ["batch_size=0"], environ={})
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_profile_step_writes_its_tables(tmp_path, capsys):
+    """job.profile_step: torch.profiler over one step, tables with the head's record_function row."""
+    err, out = _run_main(["--config", str(CONFIG), "--set", "parallel.tp=1", "--set", "model.num_layers=1",
+                          "--set", "training.steps=3", "--set", "job.profile_step=2", "--set", "checkpoint.ckpt_every=0",
+                          "--set", f'job.out_dir="{tmp_path / "run"}"', "--set", f'data.cache_dir="{tmp_path / "cache"}"',
+                          "--set", 'job.progress="off"'], capsys)
+    assert err is None, out[-3000:]
+    text = (tmp_path / "run" / "profile_step2_rank0.txt").read_text()
+    assert text.startswith("step 2: wall") and "head.flce" in text, text[:500]

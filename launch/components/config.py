@@ -28,6 +28,7 @@ class JobConfig:
     device: str = "auto"         # "auto" (cuda if available), "cpu", "cuda"
     threads: int = 1             # torch threads per rank on the CPU
     timeout_s: float = 600.0     # process-group timeout (init_process_group)
+    profile_step: int = 0        # >0: torch.profiler over that step; tables in <out_dir>/profile_step<S>_rank<r>.txt
 
 
 @dataclass

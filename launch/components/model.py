@@ -55,12 +55,13 @@ class CausalLM(torch.nn.Module):
         amp = torch.autocast(ids.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         with amp:
             hidden = self.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-        if self.head == "flce":
-            return flce_loss(hidden, self.lm_head.weight, labels, self.bf16)
-        with amp:
-            logits = self.lm_head(hidden)
-        # DTensor logits Shard(-1): F.cross_entropy runs vocab-parallel inside loss_context()
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE)
+        with torch.profiler.record_function(f"head.{self.head}"):  # named in job.profile_step's tables
+            if self.head == "flce":
+                return flce_loss(hidden, self.lm_head.weight, labels, self.bf16)
+            with amp:
+                logits = self.lm_head(hidden)
+            # DTensor logits Shard(-1): F.cross_entropy runs vocab-parallel inside loss_context()
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE)
 
 
 def flce_loss(hidden, weight, labels: torch.Tensor, bf16: bool) -> torch.Tensor:

@@ -48,4 +48,4 @@ PY
   done
 done
 echo "== $OUT/results.tsv"
-column -t -s $'\t' "$OUT/results.tsv"
+{ column -t -s $'\t' "$OUT/results.tsv" 2>/dev/null || cat "$OUT/results.tsv"; }  # no column(1) on the GPU image

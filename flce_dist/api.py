@@ -30,6 +30,8 @@ NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "vo
 # be shielded: frames that run eagerly under a compiled caller still meet Dynamo's frame hook.
 # torch._disable_dynamo defers ``import torch._dynamo`` (~1 s) from import time to the first call.
 _resolve = torch._disable_dynamo(resolve_call)
+
+
 def _apply(*args):
     return FLCEFunction.apply(*args)
 

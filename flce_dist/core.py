@@ -97,10 +97,12 @@ class _Guard:
     are NaN on every rank) and, where a host sync is free (CPU) or already paid (``check_finite``),
     raises the same ValueError on every rank at the first all-gather."""
 
-    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
-                 rows: int, fields: tuple) -> None:
-        self.on = group_size(group) > 1
-        self.words = call_guard(x, tgt, p.ignore_index, p.vocab_size, rows, fields) if self.on else None
+    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
+                 group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool) -> None:
+        self.words = None  # a single rank has no peers to agree with: nothing to build
+        if group_size(group) > 1:
+            fields = (p.options.signature(), p.settings.astuple(), has_bias, needs_grad)
+            self.words = call_guard(x, tgt, bad, p.vocab_size, rows, fields)
         self.raise_ok = x.device.type == "cpu" or p.check_finite
         self.group, self.checked = group, False
 
@@ -233,10 +235,14 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     n_in = hidden.shape[0]
     tl = local_targets(tgt, p, weight.shape[0])
     valid = tgt != p.ignore_index
+    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device assert,
+    # no host sync; the API raises instead where the check is free, on CPU without a group, and the
+    # guard on every rank of a group).
+    bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
     pre = None
     fused = uses_fused(needs_grad, p.reduction, p.strategy)
     rows = fused_plan(x.shape[0], x, p, group) if fused else 0
-    guard = _Guard(x, tgt, p, group, rows, (p.options.signature(), p.settings.astuple(), bias is not None, needs_grad))
+    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, needs_grad)
     if fused:
         g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
         stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard)
@@ -246,10 +252,6 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     else:
         stats = forward_stats(x, weight, bias, tl, p, guard)
     loss_rows = token_loss(stats, valid, p)
-    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device assert,
-    # no host sync; the API raises instead where the check is free, on CPU without a group, and the
-    # guard on every rank of a group).
-    bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
     loss_rows = torch.where(bad, torch.full_like(loss_rows, float("nan")), loss_rows)
     rank_slice = slice(0, n_in)
     if sp:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .api import NON_OPTIONS, _num_items, fused_linear_cross_entropy
 from .distributed import group_rank, group_size, vocab_shard
-from .distributed.dtensor import chunk_span, is_dtensor
+from .distributed.dtensor import chunk_span, from_local, is_dtensor, sharded_placements
 from .options import LossOptions
 
 
@@ -95,13 +95,8 @@ class VocabParallelLMHead(nn.Module):
     def _dist(self, local: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
             return local
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        placements = [Replicate()] * self.mesh.ndim
-        placements[self.mesh_dim] = Shard(0)
-        shape = (self.vocab_size, *local.shape[1:])
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        return from_local(local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, 0),
+                          (self.vocab_size, *local.shape[1:]))
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
@@ -126,18 +121,15 @@ class VocabParallelLMHead(nn.Module):
             return self.loss(hidden, self.weight, target, self.bias, vocab_start=self.shard[0], **overrides)
         if self.mesh is None:
             return nn.functional.linear(hidden, self.weight, self.bias)
-        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor import Replicate
 
         if is_dtensor(hidden):
             if any(not isinstance(pl, Replicate) for pl in hidden.placements):
                 raise ValueError(f"logits need a replicated hidden, got placements {tuple(hidden.placements)}")
             hidden = hidden.to_local()
         local = nn.functional.linear(hidden, self._local(self.weight), None if self.bias is None else self._local(self.bias))
-        placements = [Replicate()] * self.mesh.ndim
-        placements[self.mesh_dim] = Shard(local.dim() - 1)
-        shape = (*local.shape[:-1], self.vocab_size)
-        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape,
-                                  stride=torch.empty(shape, device="meta").stride())
+        return from_local(local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, local.dim() - 1),
+                          (*local.shape[:-1], self.vocab_size))
 
     def extra_repr(self) -> str:
         where = f", mesh_dim={self.mesh_dim}" if self.mesh is not None else ""

@@ -108,7 +108,7 @@ class LossOptions:
     @classmethod
     def keywords(cls, *kinds: str) -> tuple[str, ...]:
         """The option names (of the given kinds; all without), in field order."""
-        return tuple(f.name for f in dataclasses.fields(cls) if not kinds or f.metadata["kind"] in kinds)
+        return _keywords(cls, kinds)
 
     @classmethod
     def check_keywords(cls, given: Any, where: str, *kinds: str) -> None:
@@ -137,6 +137,12 @@ class LossOptions:
     @property
     def needs_sum(self) -> bool:
         return self.label_smoothing > 0.0
+
+
+@lru_cache(maxsize=None)
+def _keywords(cls: type, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    # cached: signature() asks for them on every call
+    return tuple(f.name for f in dataclasses.fields(cls) if not kinds or f.metadata["kind"] in kinds)
 
 
 @dataclasses.dataclass(frozen=True)

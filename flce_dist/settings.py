@@ -113,4 +113,4 @@ def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_byt
     try:
         yield new
     finally:
-        _STACK.remove(new) if _STACK and _STACK[-1] is not new else _STACK.pop()
+        del _STACK[max(i for i, s in enumerate(_STACK) if s is new)]  # this block's entry, by identity

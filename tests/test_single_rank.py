@@ -691,3 +691,38 @@ def test_fused_logits_mode_rejects_unknown():
     with pytest.raises(ValueError, match="fused_logits"):
         with settings.override(fused_logits="triton"):
             pass
+
+
+@pytest.mark.parametrize("bias, softcap, with_sum", [(False, 0.0, False), (True, 3.0, True)])
+def test_kernels_match_their_torch_references(bias, softcap, with_sum):
+    """Each Helion kernel (reference mode, several tiles in every dimension, odd shapes) against the
+    torch reference in its own file: lse_forward (statistics, and the logits it stores), chunk_stats
+    and chunk_grad_."""
+    from flce_dist.kernels import launch
+    from flce_dist.kernels.chunk_grad import chunk_grad_reference_
+    from flce_dist.kernels.chunk_stats import chunk_stats_reference
+    from flce_dist.kernels.lse_forward import lse_forward_reference
+    from .conftest import SMALL_BLOCKS
+
+    g = torch.Generator().manual_seed(29)
+    n, h, v, scale = 37, 70, 101, 0.8
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) * h**-0.5 * 3
+    b = torch.randn(v, generator=g) if bias else None
+    tl = torch.randint(-1, v, (n,), generator=g).to(torch.int32)  # -1: no target in this shard
+    s = settings.Settings(blocks=SMALL_BLOCKS)
+    for k, bs in SMALL_BLOCKS.items():  # the dims really are tiled several times
+        assert all(size < dim for size, dim in zip(bs.values(), (n, v, h))), k
+    z_kernel, z_ref = torch.empty(n, v), torch.empty(n, v)
+    got = launch.lse_forward(x, w, b, tl, scale, softcap, with_sum, s, z_out=z_kernel)
+    ref = lse_forward_reference(x, w, b, tl, scale, softcap, with_sum, z_out=z_ref)
+    assert rel(z_kernel, z_ref) < 1e-6
+    assert rel(got, ref) < 1e-5, (got[:3], ref[:3])
+    assert rel(launch.lse_forward(x, w, b, tl, scale, softcap, with_sum, s), ref) < 1e-5  # logits never stored
+    assert rel(launch.chunk_stats(z_ref, tl, scale, softcap, with_sum, s),
+               torch.stack(chunk_stats_reference(z_ref, tl, scale, softcap, with_sum), dim=1)) < 1e-5
+    lse, gw = ref[:, 0].contiguous(), torch.rand(n, generator=g)
+    kw = dict(scale=scale, eps_over_v=0.1 / v, one_minus_eps=0.9, two_zl=2e-3, softcap=softcap)
+    dz = launch.chunk_grad_(z_ref.clone(), tl, lse, gw, settings=s, **kw)
+    dz_ref = chunk_grad_reference_(z_ref.clone(), tl, lse, gw, **kw)
+    assert rel(dz, dz_ref) < 1e-5

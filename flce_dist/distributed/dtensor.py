@@ -58,6 +58,25 @@ def chunk_span(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(size - start, step))
 
 
+def from_local(local: torch.Tensor, mesh, placements, global_shape) -> torch.Tensor:
+    """``DTensor.from_local`` with the global shape and its contiguous stride given (uneven splits
+    allowed; no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size(global_shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def sharded_placements(mesh, mesh_dim: int, tensor_dim: int) -> list:
+    """``Shard(tensor_dim)`` on ``mesh_dim``, ``Replicate()`` on every other mesh dim."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = [Replicate()] * mesh.ndim
+    placements[mesh_dim] = Shard(tensor_dim)
+    return placements
+
+
 @dataclasses.dataclass
 class LocalCall:
     """Local tensors and the layout facts the loss needs, plus how to wrap per-token outputs."""
@@ -95,7 +114,7 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
            ignore_index: int) -> LocalCall:
     """Resolve a call with DTensor ``weight`` (and optionally ``hidden``/``bias``/``target``) into
     local tensors, the tensor-parallel group, and an output wrapper. See the module docstring."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     if not is_dtensor(weight):
         for name, t in (("hidden", hidden), ("bias", bias), ("target", target)):
@@ -172,10 +191,7 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
         n = 1
         for s in local_lead:
             n *= s
-        local = rows[:n].reshape(local_lead)
-        stride = torch.empty(global_lead, device="meta").stride()
-        return DTensor.from_local(local, mesh, lead_placements, run_check=False, shape=torch.Size(global_lead),
-                                  stride=stride)
+        return from_local(rows[:n].reshape(local_lead), mesh, lead_placements, global_lead)
 
     if seq_dim is None or p == 1:
         return LocalCall(h_local, w_local, b_local, t_local, tp_group, weight.shape[0], False, wrap)

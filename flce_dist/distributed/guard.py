@@ -44,9 +44,10 @@ def call_digest(*fields: object) -> int:
     return call_signature(*fields)
 
 
-def call_guard(x: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int, rows: int,
+def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_size: int, rows: int,
                fields: tuple) -> torch.Tensor:
-    """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids);
+    """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids),
+    ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks them);
     ``fields``: what else every rank must agree on (options, settings, bias, gradient need)."""
     sig = call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
     n = x.shape[0]
@@ -61,7 +62,6 @@ def call_guard(x: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_s
         words[3] = ((t % 1000003) * (idx % 999983)).sum().remainder(2147483647).to(torch.int32)
         sample = x[torch.linspace(0, n - 1, min(n, 16), device=x.device).long()]
         words[4] = sample.float().sum().reshape(1).view(torch.int32)[0]
-        bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
         words[5] = bad.sum().to(torch.int32)
     return words
 

@@ -43,10 +43,10 @@ def clear_shard_cache() -> None:
 
 
 def _handshake(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str, n_tokens: int,
-               signature: int, vocab_size: int | None) -> tuple[int, int]:
+               fields: tuple, vocab_size: int | None) -> tuple[int, int]:
     # One all-gather of (start, size, tokens, call signature, expected V) per distinct (group, shard,
     # tokens, V): a host sync, once per shape, never on the steady-state hot path.
-    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, signature,
+    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, call_signature(*fields),
                         -1 if vocab_size is None else vocab_size]], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     rows = all_gather_rows(me, group).cpu().tolist()
@@ -91,13 +91,13 @@ def call_signature(*fields: object) -> int:
 
 
 def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
-                  n_tokens: int = 0, signature: int = 0, vocab_size: int | None = None) -> tuple[int, int]:
+                  n_tokens: int = 0, fields: tuple = (), vocab_size: int | None = None) -> tuple[int, int]:
     """``(vocab_start, vocab_size)`` of this rank.
 
     Once per distinct (group, shard, token count, vocab_size) it all-gathers them with the call
-    signature and raises ``ValueError`` on every rank if the shards do not tile ``[0, V)`` exactly
-    (``V`` = ``vocab_size`` when given), or the ranks disagree on the token count or the call
-    signature. The signature is not part of the cache key: a later call that changes an option on
+    signature (a digest of ``fields``: options, settings, shapes; computed only then) and raises
+    ``ValueError`` on every rank if the shards do not tile ``[0, V)`` exactly (``V`` =
+    ``vocab_size`` when given), or the ranks disagree on the token count or the call signature. The signature is not part of the cache key: a later call that changes an option on
     one rank only meets the per-call guard of the statistics collective (``guard.py``), which every
     rank sees. A rank whose shard or token count changes on its own meets the others in a different
     collective: the backend's collective-mismatch error or the group's timeout, never a wrong loss."""
@@ -112,7 +112,7 @@ def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: in
     if key not in _SHARD_CACHE:
         if len(_SHARD_CACHE) > 1024:
             _SHARD_CACHE.clear()
-        _SHARD_CACHE[key] = _handshake(group, v_local, vocab_start, dev, int(n_tokens), int(signature), vocab_size)
+        _SHARD_CACHE[key] = _handshake(group, v_local, vocab_start, dev, int(n_tokens), fields, vocab_size)
     return _SHARD_CACHE[key]
 
 
@@ -121,8 +121,7 @@ def resolve_call(group: dist.ProcessGroup | None, v_local: int, vocab_start: int
     """``(vocab_start, vocab_size, group name, group size)`` of a call: the shard checks of
     :func:`resolve_shard`, with the call's ``fields`` (options, settings, shapes) compared across
     ranks, and the group's name for the compiled op. Under torch.compile the API calls it through
-    ``torch.compiler.disable``: its collective and host sync stay out of compiled graphs."""
+    ``torch._disable_dynamo``: its collective and host sync stay out of compiled graphs."""
     size = group_size(group)
-    sig = call_signature(*fields) if size > 1 else 0
-    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, sig, vocab_size)
+    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, fields, vocab_size)
     return start, vocab, group.group_name if size > 1 else "", size

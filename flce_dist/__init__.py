@@ -4,11 +4,11 @@ Importing the package changes nothing in the process: Helion is imported at the 
 launch, and CPU machines call :func:`setup_reference_mode` (Helion's reference mode) explicitly.
 """
 
-from .api import fused_linear_cross_entropy
+from .api import fused_linear_cross_entropy, logprobs_and_entropy
 from .distributed import vocab_shard
 from .modules import FusedLinearCrossEntropyLoss, VocabParallelLMHead
 from .options import FLCEParams, LossOptions
-from .reference import reference_loss
+from .reference import reference_logprobs_and_entropy, reference_loss
 from .reference_mode import setup_reference_mode
 from .settings import Settings, override
 
@@ -19,7 +19,9 @@ __all__ = [
     "Settings",
     "VocabParallelLMHead",
     "fused_linear_cross_entropy",
+    "logprobs_and_entropy",
     "override",
+    "reference_logprobs_and_entropy",
     "reference_loss",
     "setup_reference_mode",
     "vocab_shard",

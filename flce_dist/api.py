@@ -113,6 +113,7 @@ def fused_linear_cross_entropy(
     deterministic: bool = False,
     return_lse: bool = False,
     return_token_accuracy: bool = False,
+    return_entropy: bool = False,
     check_finite: bool = False,
 ):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
@@ -133,14 +134,21 @@ def fused_linear_cross_entropy(
     Options (``LossOptions``: defaults, checks, meaning): ``ignore_index``, ``reduction``,
     ``label_smoothing``, ``z_loss``, ``softcap``, ``temperature``, ``sequence_parallel``,
     ``strategy`` (``"auto"``, ``"fused"``, ``"recompute"``; see ``core.py``), ``deterministic``,
-    ``return_lse``, ``return_token_accuracy``, ``check_finite``. ``settings`` (``Settings``: chunk
+    ``return_lse``, ``return_token_accuracy``, ``return_entropy``, ``check_finite``. ``settings`` (``Settings``: chunk
     budget, logits backend, block sizes, config directory) changes how, never what, is computed;
     None: ``settings.current()``.
 
     Returns the loss; with ``return_lse=True`` also the global per-token logsumexp, and with
     ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
     shards; a tie with the target counts as correct; ignored tokens are False), each shaped like
-    target and not differentiable, in that order: ``loss[, lse][, correct]``.
+    target and not differentiable; with ``return_entropy=True`` also the per-token entropy
+    ``H = lse - sum_v p_v y_v`` of the softmax over the global vocabulary of the transformed logits
+    ``y`` (temperature, softcap), float32, 0 for ignored tokens, differentiable (its gradient flows
+    into hidden, weight and bias with the loss's, in the same backward pass over the vocabulary).
+    Always in this order, each present only when asked for: ``loss[, lse][, correct][, entropy]``.
+    With ``reduction="none"`` the per-token loss is ``-log p(target)`` (no label smoothing or z-loss):
+    the log-probabilities with their gradient (see :func:`logprobs_and_entropy`). The entropy needs
+    the ``recompute`` strategy's backward (4 matmuls instead of 3; ``strategy`` is then ignored).
 
     ``deterministic=True``: bitwise identical loss and gradients from run to run on every rank. One
     GPU is already reproducible (no atomics; fixed chunk plan); under TP this replaces NCCL's dX
@@ -152,13 +160,14 @@ def fused_linear_cross_entropy(
     Double backward (``create_graph=True``) raises: the gradients are formed by kernels.
 
     Collectives per call with a group of P ranks (N tokens, H hidden): forward one all-gather of
-    ``[N, 4]`` float32 stats (the fused strategy: one per token chunk, same bytes); backward one
+    ``[N, 4]`` float32 stats (``[N, 5]`` with the entropy; the fused strategy: one per token chunk,
+    same bytes); backward one
     all-reduce of dX (``N*H``, hidden's dtype); sequence parallel: plus all-gathers of hidden and
     target and a reduce-scatter of dX instead of the all-reduce. Once per distinct call shape, one
     all-gather of the shard sizes and the call's signature checks that every rank makes the same call.
     """
     options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
-                          strategy, deterministic, return_lse, return_token_accuracy, check_finite)
+                          strategy, deterministic, return_lse, return_token_accuracy, return_entropy, check_finite)
     settings = current() if settings is None else settings
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(settings).__name__}")
@@ -207,11 +216,13 @@ def fused_linear_cross_entropy(
     options = options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
     if compiling and not options.sequence_parallel and dt is None:
         # under torch.compile: the custom op (compile_op.py), one graph, no break
-        loss, lse, correct, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
-                                           FLCEParams.encode(start, vocab, options, settings), needs_grad, group_name)
+        loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
+                                                FLCEParams.encode(start, vocab, options, settings), needs_grad,
+                                                group_name)
     else:
         params = FLCEParams(start, vocab, options, settings)
-        loss, lse, correct = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params, group)
+        loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params,
+                                         group)
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):
@@ -219,8 +230,43 @@ def fused_linear_cross_entropy(
             "fused_linear_cross_entropy: the loss is not finite: NaN/inf in hidden, weight or bias, a target "
             "outside [0, V) on the GPU, or logits that overflow hidden's dtype (float16 tops out at 65504)")
     extras = (([lse.reshape(target.shape)] if options.return_lse else [])
-              + ([correct.reshape(target.shape)] if options.return_token_accuracy else []))
+              + ([correct.reshape(target.shape)] if options.return_token_accuracy else [])
+              + ([ent.reshape(target.shape)] if options.return_entropy else []))
     if dt is not None:  # per-token outputs placed like hidden's leading dims; a scalar loss stays plain
         loss = dt.wrap_tokens(loss) if options.reduction == "none" else loss
         extras = [dt.wrap_tokens(e) for e in extras]
     return (loss, *extras) if extras else loss
+
+
+_LOGPROB_REFUSED = ("reduction", "label_smoothing", "z_loss", "return_lse", "return_token_accuracy", "return_entropy",
+                    "num_items_in_batch", "strategy")
+
+
+def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                         temperature: float = 1.0, **kwargs):
+    """Per-token log-probabilities of ``target`` and entropies of the policy, both differentiable:
+    the RL / post-training head (PPO, GRPO: ``logp`` in the ratio, ``entropy`` as a bonus).
+
+    ``logp[n] = log softmax(y_n)[target_n]`` and ``entropy[n] = -sum_v p_nv log p_nv`` with
+    ``y = transform(hidden @ weight.T (+ bias))`` (``temperature``, optional ``softcap``), over the
+    global vocabulary (with ``group``: vocab-parallel, no gather of the vocabulary or of logits);
+    both float32, shaped like ``target``, 0 at ``ignore_index`` targets (no gradient there).
+
+    One call is :func:`fused_linear_cross_entropy` with ``reduction="none", return_entropy=True``
+    (``logp = -loss``): forward one matmul and one ``[N, 5]`` statistics all-gather; backward one
+    pass over the vocabulary chunks (3 matmuls and the dX all-reduce, or reduce-scatter under
+    sequence parallelism) whatever mix of the two outputs the objective uses, e.g.
+    ``(adv * logp).sum() + beta * entropy.sum()``.
+
+    ``kwargs``: ``bias``, ``group``, ``vocab_start``, ``vocab_size``, ``settings``, ``ignore_index``,
+    ``softcap``, ``sequence_parallel``, ``deterministic``, ``check_finite``; DTensor inputs as in
+    :func:`fused_linear_cross_entropy`. Options that would make ``-loss`` something other than a
+    log-probability (label smoothing, z-loss, a reduction) are refused.
+    """
+    refused = sorted(set(kwargs) & set(_LOGPROB_REFUSED))
+    if refused:
+        raise TypeError(f"logprobs_and_entropy: {refused} cannot be set here (log-probabilities are per token, "
+                        "without label smoothing or z-loss); call fused_linear_cross_entropy for the loss")
+    nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, reduction="none",
+                                              return_entropy=True, **kwargs)
+    return -nll, entropy

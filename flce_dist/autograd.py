@@ -24,37 +24,46 @@ class FLCEFunction(torch.autograd.Function):
     Inputs: hidden [N_in, H] (N_in = N / P under sequence parallelism), weight [V_r, H],
     bias [V_r] or None, target [N_in] global ids, num_items (0-d tensor or None), the call's
     ``FLCEParams`` and process group.
-    Outputs: loss (scalar, or [N_in] for reduction="none"), lse [N_in] (global) and correct [N_in]
-    (bool: target == argmax over all shards; False for ignored tokens); the last two are not
-    differentiable.
+    Outputs: loss (scalar, or [N_in] for reduction="none"), lse [N_in] (global), correct [N_in]
+    (bool: target == argmax over all shards; False for ignored tokens), both not differentiable,
+    and entropy [N_in] (differentiable; an empty tensor without ``return_entropy``).
+    Gradients of unused outputs arrive as None (no zero tensors are made): an unused entropy adds
+    nothing to the backward, an unused loss contributes a zero row weight.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, num_items, p, group):
         needs_grad = any(ctx.needs_input_grad[:3])
-        loss, lse, correct, pre, (x, tl, lse_all, valid) = flce_forward(
+        loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all) = flce_forward(
             hidden, weight, bias, target, num_items, p, group, needs_grad)
         if needs_grad:
             # inputs cost nothing to keep; they let a second backward (retain_graph, gradcheck)
             # of the fused strategy recompute, once its precomputed gradients were handed out
-            ctx.save_for_backward(x, weight, bias, tl, lse_all, valid, num_items)
+            ctx.save_for_backward(x, weight, bias, tl, lse_all, valid, num_items, ent_all)
+        ctx.set_materialize_grads(False)
+        if ent is None:
+            ent = loss.new_empty(0)
+            ctx.mark_non_differentiable(ent)
         # Precomputed gradients live on ctx, not in saved_tensors: the backward drops ctx's
         # reference so that autograd can take dW without a copy (a copy would double its memory).
         ctx.pre, ctx.p, ctx.group, ctx.w_dtype = pre, p, group, weight.dtype
         ctx.mark_non_differentiable(lse, correct)
-        return loss, lse, correct
+        ctx.loss_shape = loss.shape
+        return loss, lse, correct, ent
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_lse, _grad_correct):
+    def backward(ctx, grad_loss, _grad_lse, _grad_correct, grad_ent):
         refuse_double_backward()
         need = ctx.needs_input_grad
+        x, w, b, tl, lse, valid, num_items, ent = ctx.saved_tensors
+        if grad_loss is None:  # only the entropy is used
+            grad_loss = lse.new_zeros(ctx.loss_shape)
         if ctx.pre is not None:  # fused strategy: gradients formed in the forward
             dx, dw, db = ctx.pre
             ctx.pre = None
             dx, dw, db = scale_precomputed(dx if need[0] else None, dw if need[1] else None,
                                            db if need[2] else None, grad_loss, ctx.w_dtype)
             return dx, dw, db, None, None, None, None
-        x, w, b, tl, lse, valid, num_items = ctx.saved_tensors
-        dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group)
+        dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
                 None, None, None, None)

@@ -3,14 +3,15 @@ compiled model that calls it keeps one graph (no graph break) on a single rank a
 parallelism without sequence parallelism.
 
     flce_dist::fused_lce(hidden, weight, bias?, target, num_items?, params, needs_grad, group_name)
-        -> (loss, lse, correct, dX, dW, db)
-    flce_dist::fused_lce_backward(hidden, weight, bias?, target, num_items?, lse, grad_loss, params, group_name)
-        -> (dX, dW, db)
+        -> (loss, lse, correct, entropy, dX, dW, db)
+    flce_dist::fused_lce_backward(hidden, weight, bias?, target, num_items?, lse, entropy, grad_loss,
+                                  grad_entropy?, params, group_name) -> (dX, dW, db)
 
 ``params`` is ``FLCEParams.encode()``: the options, the vocabulary slice and the settings travel as
 one string (custom ops take no objects), so no option is ever passed or sliced by position. The first
 op runs ``core.flce_forward``: with the fused strategy it also returns the unscaled gradients
-(``[0]``-sized tensors otherwise), which its autograd formula scales by grad_output (out of place: a
+(``[0]``-sized tensors otherwise; ``entropy`` is ``[0]``-sized without ``return_entropy``), which its
+autograd formula scales by grad_output (out of place: a
 compiled backward may not mutate a saved forward output, so the compiled fused path holds one more
 dW-sized buffer than eager during the backward). The recompute strategy's backward is the second
 op. Eager calls never come here: they use ``autograd.FLCEFunction``. The process group travels by
@@ -42,13 +43,17 @@ def _group(name: str) -> Optional[dist.ProcessGroup]:
 
 @torch.library.custom_op("flce_dist::fused_lce", mutates_args=())
 def fused_lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, num_items: Optional[Tensor],
-              params: str, needs_grad: bool, group_name: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              params: str, needs_grad: bool, group_name: str
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
-    loss, lse, correct, pre, _ = flce_forward(hidden, weight, bias, target, num_items, p, _group(group_name), needs_grad)
+    loss, lse, correct, ent, pre, _ = flce_forward(hidden, weight, bias, target, num_items, p, _group(group_name),
+                                                   needs_grad)
     dx, dw, db = pre if pre is not None else (None, None, None)
+    sd = acc_dtype(hidden.dtype)
     # outputs may not alias each other: a fresh empty tensor for each absent one
-    return (loss, lse, correct, hidden.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw,
-            hidden.new_empty(0, dtype=acc_dtype(hidden.dtype)) if db is None else db)
+    return (loss, lse, correct, hidden.new_empty(0, dtype=sd) if ent is None else ent,
+            hidden.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw,
+            hidden.new_empty(0, dtype=sd) if db is None else db)
 
 
 @fused_lce.register_fake
@@ -59,25 +64,26 @@ def _(hidden, weight, bias, target, num_items, params, needs_grad, group_name):
     loss = hidden.new_empty((n,) if p.reduction == "none" else (), dtype=sd)
     lse = hidden.new_empty((n,), dtype=sd)
     correct = hidden.new_empty((n,), dtype=torch.bool)
-    if uses_fused(needs_grad, p.reduction, p.strategy):
+    ent = hidden.new_empty((n if p.return_entropy else 0,), dtype=sd)
+    if uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy):
         db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=sd)
-        return loss, lse, correct, torch.empty_like(hidden), torch.empty_like(weight), db
-    return loss, lse, correct, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0, dtype=sd)
+        return loss, lse, correct, ent, torch.empty_like(hidden), torch.empty_like(weight), db
+    return loss, lse, correct, ent, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0, dtype=sd)
 
 
 @torch.library.custom_op("flce_dist::fused_lce_backward", mutates_args=())
 def fused_lce_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                       num_items: Optional[Tensor], lse: Tensor, grad_loss: Tensor, params: str,
-                       group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+                       num_items: Optional[Tensor], lse: Tensor, ent: Tensor, grad_loss: Tensor,
+                       grad_ent: Optional[Tensor], params: str, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
     tl = local_targets(target, p, weight.shape[0])
     dx, dw, db = recompute_grads(hidden, weight, bias, tl, lse, target != p.ignore_index, num_items, grad_loss, p,
-                                 _group(group_name))
+                                 _group(group_name), ent, grad_ent)
     return dx, dw, weight.new_empty(0) if db is None else db
 
 
 @fused_lce_backward.register_fake
-def _(hidden, weight, bias, target, num_items, lse, grad_loss, params, group_name):
+def _(hidden, weight, bias, target, num_items, lse, ent, grad_loss, grad_ent, params, group_name):
     db = weight.new_empty((weight.shape[0],)) if bias is not None else weight.new_empty(0)
     return torch.empty_like(hidden), torch.empty_like(weight), db
 
@@ -85,26 +91,30 @@ def _(hidden, weight, bias, target, num_items, lse, grad_loss, params, group_nam
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, target, num_items, params, needs_grad, group_name = inputs
     p = FLCEParams.decode(params)
-    _, lse, _, dx, dw, db = output
+    _, lse, _, ent, dx, dw, db = output
     ctx.params, ctx.group_name = params, group_name
-    ctx.fused = uses_fused(needs_grad, p.reduction, p.strategy)
+    ctx.fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
+    ctx.entropy = p.return_entropy
+    ctx.loss_shape, ctx.loss_device = output[0].shape, output[0].device
     ctx.has_bias = bias is not None
     ctx.w_dtype = weight.dtype
     ctx.mark_non_differentiable(lse, output[2])
     if ctx.fused:
         ctx.save_for_backward(dx, dw, db if bias is not None else None)
     else:
-        ctx.save_for_backward(hidden, weight, bias, target, num_items, lse)
+        ctx.save_for_backward(hidden, weight, bias, target, num_items, lse, ent)
 
 
-def _backward(ctx, grad_loss, *_):
+def _backward(ctx, grad_loss, _grad_lse, _grad_correct, grad_ent, *_):
+    if grad_loss is None:  # only the entropy is used
+        grad_loss = torch.zeros(ctx.loss_shape, device=ctx.loss_device)
     if ctx.fused:
         dx, dw, db = ctx.saved_tensors
         dx, dw, db = scale_precomputed(dx, dw, db, grad_loss, ctx.w_dtype, inplace=False)
     else:
-        hidden, weight, bias, target, num_items, lse = ctx.saved_tensors
-        dx, dw, db = fused_lce_backward(hidden, weight, bias, target, num_items, lse, grad_loss, ctx.params,
-                                        ctx.group_name)
+        hidden, weight, bias, target, num_items, lse, ent = ctx.saved_tensors
+        dx, dw, db = fused_lce_backward(hidden, weight, bias, target, num_items, lse, ent, grad_loss,
+                                        grad_ent if ctx.entropy else None, ctx.params, ctx.group_name)
     return dx, dw, db if ctx.has_bias else None, None, None, None, None, None
 
 

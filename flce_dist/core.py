@@ -5,7 +5,12 @@ Two thin adapters call it: ``autograd.FLCEFunction`` (eager) and the ``torch.lib
 
 Notation (per rank of a TP group of size P): x [N, H] (all tokens; under sequence parallelism the
 gathered ones), W [V_r, H] this rank's shard, stats [N, 4] = (lse, target logit, sum of logits,
-max logit).
+max logit), [N, 5] with ``return_entropy`` (plus the softmax entropy H).
+
+Entropy (``return_entropy``): H = lse - mu with mu = sum_v p_v y_v rides in the same statistics
+all-gather (a 5th column); its gradient dH/dy = -p (y - mu) joins the loss's in the recompute
+backward's one pass over the vocab chunks (the chunk_grad_ kernel takes mu and dL/dH per row), so
+an RL objective sum_n a_n logp_n + beta sum_n H_n costs the same 4 matmuls as the per-token loss.
 
 Two strategies share every kernel and collective:
 
@@ -54,7 +59,7 @@ def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Te
 
 def token_loss(stats: torch.Tensor, valid: torch.Tensor, p: FLCEParams) -> torch.Tensor:
     """Per-token loss from the global stats: lse - (1-eps) y_t - eps/V sum_v y + zl lse^2."""
-    lse, t, sumy, _ = stats.unbind(1)
+    lse, t, sumy = stats[:, 0], stats[:, 1], stats[:, 2]
     loss = lse - (1.0 - p.label_smoothing) * t
     if p.label_smoothing > 0:
         loss = loss - (p.label_smoothing / p.vocab_size) * sumy
@@ -81,9 +86,10 @@ def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_item
     return total / mean_denominator(valid, num_items, torch.float32)
 
 
-def uses_fused(needs_grad: bool, reduction: str, strategy: str) -> bool:
-    """Whether a call takes the fused strategy (gradient formed in the forward)."""
-    return needs_grad and reduction != "none" and strategy in ("auto", "fused")
+def uses_fused(needs_grad: bool, reduction: str, strategy: str, entropy: bool = False) -> bool:
+    """Whether a call takes the fused strategy (gradient formed in the forward). Not with the
+    entropy: its per-token gradient is only known in the backward."""
+    return needs_grad and reduction != "none" and strategy in ("auto", "fused") and not entropy
 
 
 def _grad_kw(p: FLCEParams) -> dict:
@@ -118,9 +124,11 @@ class _Guard:
 
 def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                   p: FLCEParams, guard: _Guard) -> torch.Tensor:
-    """Global per-token stats [N, 4] without keeping logits (one collective). An empty batch or
-    shard gets (-inf, 0, 0, -inf) rows from the empty-chunk path of ``kernels.launch.lse_forward``."""
-    return guard.combine(K.lse_forward(x, w, b, tl, p.logit_scale, p.cap, p.needs_sum, p.settings))
+    """Global per-token stats [N, 4] ([N, 5] with the entropy) without keeping logits (one
+    collective). An empty batch or shard gets (-inf, 0, 0, -inf, 0) rows from the empty-chunk path
+    of ``kernels.launch.lse_forward``."""
+    return guard.combine(K.lse_forward(x, w, b, tl, p.logit_scale, p.cap, p.needs_sum, p.settings,
+                                       with_ent=p.return_entropy))
 
 
 def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None) -> int:
@@ -180,8 +188,10 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
 
 
 def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                       lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None):
-    """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks."""
+                       lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
+                       mu: torch.Tensor | None = None, gh: torch.Tensor | None = None):
+    """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks; with ``mu``,
+    ``gh`` [N] the entropy's gradient in the same pass."""
     n, _ = x.shape
     v = w.shape[0]
     acc = acc_dtype(x.dtype)
@@ -202,7 +212,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     for j in range(0, v, cols):
         wc = w[j:j + cols]
         z = K.logits(x, wc, None if b is None else b[j:j + cols])
-        K.chunk_grad_(z, tl - j, lse, g, **kw)  # tl - j stays int32
+        K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
         dx += torch.mm(z, wc)
         if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
             out = dx.to(x.dtype)
@@ -226,9 +236,10 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                  num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
-    Returns ``loss, lse, correct, pre, saved``: ``pre`` = (dX, dW, db) formed by the fused strategy
-    (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid), what the
-    recompute backward needs."""
+    Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
+    tokens; None without ``return_entropy``); ``pre`` = (dX, dW, db) formed by the fused strategy
+    (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid, entropy of
+    all rows or None), what the recompute backward needs."""
     sp = p.sequence_parallel and group_size(group) > 1
     x = all_gather_rows(hidden, group) if sp else hidden
     tgt = all_gather_rows(target, group) if sp else target
@@ -240,7 +251,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     # guard on every rank of a group).
     bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
     pre = None
-    fused = uses_fused(needs_grad, p.reduction, p.strategy)
+    fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
     rows = fused_plan(x.shape[0], x, p, group) if fused else 0
     guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, needs_grad)
     if fused:
@@ -264,7 +275,11 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     lse = stats[rank_slice, 0].clone()
     # token accuracy: the target's logit is the row max over all shards (ties count as correct)
     correct = (valid & (stats[:, 1] >= stats[:, 3]))[rank_slice]
-    return loss, lse, correct, pre, (x, tl, stats[:, 0].contiguous(), valid)
+    ent_all = ent = None
+    if p.return_entropy:
+        ent_all = torch.where(valid, stats[:, 4], torch.zeros_like(stats[:, 4]))
+        ent = ent_all[rank_slice].clone()
+    return loss, lse, correct, ent, pre, (x, tl, stats[:, 0].contiguous(), valid, ent_all)
 
 
 def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,
@@ -285,8 +300,11 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
 
 def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
                     valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
-                    group: dist.ProcessGroup | None):
-    """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype)."""
+                    group: dist.ProcessGroup | None, ent: torch.Tensor | None = None,
+                    grad_ent: torch.Tensor | None = None):
+    """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype).
+    ``ent`` [N] (all rows) and ``grad_ent`` [N_in] (this rank's rows): the entropy and its incoming
+    gradient, when the entropy was returned and used."""
     sp = p.sequence_parallel and group_size(group) > 1
     g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
     if p.reduction == "none":
@@ -295,7 +313,13 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
         g = g * go
     else:
         g = g * grad_loss.to(g.dtype)
-    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group)
+    mu = gh = None
+    if grad_ent is not None:
+        gh = grad_ent.reshape(-1).to(g.dtype)
+        gh = all_gather_rows(gh.contiguous(), group) if sp else gh
+        gh = torch.where(valid, gh, torch.zeros_like(gh)).contiguous()
+        mu = (lse - ent).contiguous()
+    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh)
     if sp:
         dx = reduce_scatter_rows(dx, group, p.deterministic)
     return dx, dw, None if db is None else db.to(w.dtype)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import NON_OPTIONS, _num_items, fused_linear_cross_entropy
+from .api import NON_OPTIONS, _num_items, fused_linear_cross_entropy, logprobs_and_entropy
 from .distributed import group_rank, group_size, vocab_shard
 from .distributed.dtensor import chunk_span, from_local, is_dtensor, sharded_placements
 from .options import LossOptions
@@ -130,6 +130,20 @@ class VocabParallelLMHead(nn.Module):
         local = nn.functional.linear(hidden, self._local(self.weight), None if self.bias is None else self._local(self.bias))
         return from_local(local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, local.dim() - 1),
                           (*local.shape[:-1], self.vocab_size))
+
+    def logprobs_and_entropy(self, hidden: torch.Tensor, target: torch.Tensor, temperature: float = 1.0,
+                             **overrides: Any):
+        """``(logp, entropy)`` per token, both differentiable (see :func:`flce_dist.logprobs_and_entropy`),
+        over the global vocabulary with this head's group or mesh; the loss options that apply
+        (``ignore_index``, ``softcap``, ``sequence_parallel``, ...) come from ``loss_options`` and
+        ``overrides``."""
+        kw = {k: v for k, v in {"ignore_index": self.loss.ignore_index, "group": self.loss.group, **self.loss.options,
+                                **overrides}.items() if k not in ("reduction", "label_smoothing", "z_loss",
+                                                                  "return_lse", "return_token_accuracy",
+                                                                  "return_entropy", "num_items_in_batch", "strategy")}
+        if self.mesh is None:
+            kw["vocab_start"] = self.shard[0]
+        return logprobs_and_entropy(hidden, self.weight, target, temperature=temperature, bias=self.bias, **kw)
 
     def extra_repr(self) -> str:
         where = f", mesh_dim={self.mesh_dim}" if self.mesh is not None else ""

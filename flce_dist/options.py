@@ -99,6 +99,9 @@ class LossOptions:
     deterministic: bool = option(False, _bool, "bitwise reproducible dX sums across ranks (rank-ordered)")
     return_lse: bool = option(False, _bool, "also return the global per-token lse", "output")
     return_token_accuracy: bool = option(False, _bool, "also return per-token target == argmax (bool)", "output")
+    return_entropy: bool = option(False, _bool, "also return the per-token entropy of the (temperature-scaled, "
+                                  "softcapped) softmax over the global vocabulary, with its gradient (0 for "
+                                  "ignored tokens); needs the recompute strategy's backward", "call")
     check_finite: bool = option(False, _bool, "raise FloatingPointError if the loss is not finite (a host sync)")
 
     def __post_init__(self) -> None:

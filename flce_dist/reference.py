@@ -53,3 +53,18 @@ def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int
         denom = num_items_in_batch if num_items_in_batch is not None else valid.sum()
         out = loss.sum() / torch.as_tensor(denom, dtype=loss.dtype, device=loss.device).clamp(min=1)
     return (out, lse.reshape(target.shape)) if return_lse else out
+
+
+def reference_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                                   bias: torch.Tensor | None = None, ignore_index: int = -100,
+                                   softcap: float | None = None, temperature: float = 1.0):
+    """``(logp, entropy)`` per token from the full logits (what :func:`flce_dist.logprobs_and_entropy`
+    promises): ``log softmax(y)[target]`` and ``-sum_v p_v log p_v``, both 0 at ``ignore_index``."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    logp_all = torch.log_softmax(reference_logits(h, weight, bias, softcap=softcap, temperature=temperature), dim=-1)
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    logp = logp_all.gather(1, torch.where(valid, t, torch.zeros_like(t))[:, None])[:, 0]
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    zero = torch.zeros_like(logp)
+    return (torch.where(valid, logp, zero).reshape(target.shape), torch.where(valid, ent, zero).reshape(target.shape))

@@ -63,13 +63,13 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
     searched kernel; the args match what kernels/launch.py passes (int32 local targets)."""
     rows, store_rows = z.shape[0], zs.shape[0]
     return [
-        # (x, w, bias, target_local, z_out, scale, softcap, has_bias, store_logits, with_sum): as launch.lse_forward
-        ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), 1.0, 0.0, False, False, False),
+        # (x, w, bias, target_local, z_out, scale, softcap, has_bias, store_logits, with_sum, with_ent): as launch.lse_forward
+        ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), 1.0, 0.0, False, False, False, False),
          LSE_CANDIDATES, "lse_forward", mm),
-        ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False),
+        ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False, False),
          LSE_STORE_CANDIDATES, "lse_forward", smm),
-        ("chunk_stats", chunk_stats, (z, t[:rows], 1.0, 0.0, False), STATS_CANDIDATES, "chunk_stats", zmm),
-        ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, 1.0, 0.0, 1.0, 0.0, 0.0), GRAD_CANDIDATES, "chunk_grad", zmm),
+        ("chunk_stats", chunk_stats, (z, t[:rows], 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
+        ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]
 
 

@@ -86,6 +86,53 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
         ck.close(f"{name}: TP dW == TP1 dW slice", ws.grad, w1.grad[s:e], gt)
 
 
+def entropy_case(ck, dev, group, *, n, h, v, dtype, sp, bias, use="both", seed=3, tol=None, **opts):
+    """logprobs_and_entropy under TP (uneven V), optionally sequence-parallel: per-token log-probs,
+    entropies and the gradients of ``sum(a * logp) + beta * sum(entropy)`` (or of one of the two:
+    ``use``) against the float64 single-process reference on the full weight."""
+    from flce_dist.reference import reference_logprobs_and_entropy
+
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * h**-0.5 * 2
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.2] = -100
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    beta = {"both": 0.7, "logp": 0.0, "entropy": 1.3}[use]
+    a_coef = 0.0 if use == "entropy" else 1.0
+    s, e = vocab_shard(v, r, p)
+    rows = slice(r * (n // p), (r + 1) * (n // p)) if sp else slice(0, n)
+    name = f"entropy P={p} {dtype} sp={sp} bias={bias} use={use} n={n} v={v} {opts or ''}"
+
+    xs = x[rows].to(dev, dtype).clone().requires_grad_()
+    ws = w[s:e].to(dev, dtype).clone().requires_grad_()
+    bs = b[s:e].to(dev, dtype).clone().requires_grad_() if bias else None
+    logp, ent = flce_dist.logprobs_and_entropy(xs, ws, t[rows].to(dev), bias=bs, group=group, sequence_parallel=sp,
+                                               **opts)
+    objective = []
+    if use != "entropy":
+        objective.append((adv[rows].to(dev, logp.dtype) * logp).sum())
+    if use != "logp":
+        objective.append(beta * ent.sum())
+    sum(objective).backward()
+
+    xr = x.to(dtype).double().clone().requires_grad_()
+    wr = w.to(dtype).double().clone().requires_grad_()
+    br = b.to(dtype).double().clone().requires_grad_() if bias else None
+    rl, re_ = reference_logprobs_and_entropy(xr, wr, t, bias=br, **opts)
+    (a_coef * (adv * rl).sum() + beta * re_.sum()).backward()
+    lt, gt = tol or ((1e-5, 1e-4) if dtype != torch.bfloat16 else (1e-2, 2e-2))
+    ck.close(f"{name}: logp", logp, rl[rows], lt)
+    ck.close(f"{name}: entropy", ent, re_[rows], lt)
+    ck.true(f"{name}: ignored tokens give 0", float(logp[t[rows] == -100].abs().sum() + ent[t[rows] == -100].abs().sum()) == 0.0)
+    ck.close(f"{name}: dW shard", ws.grad, wr.grad[s:e], gt)
+    ck.close(f"{name}: dX", xs.grad, xr.grad[rows], gt)
+    if bias:
+        ck.close(f"{name}: db shard", bs.grad, br.grad[s:e], gt)
+
+
 def determinism(ck, dev, group, dtype):
     """deterministic=True: two runs and every rank give bitwise identical loss and dX; dW too."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
@@ -327,6 +374,20 @@ def main():
                      bias=True, sp=False, deterministic=True)
                 case(ck, dev, group, n=4 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="none",
                      bias=False, sp=True, deterministic=True)
+            # per-token log-probs and entropy with gradients (issue 16), uneven V, with and without SP
+            for dtype in dtypes:
+                for use in ("both", "logp", "entropy"):
+                    entropy_case(ck, dev, group, n=6 * p, h=24, v=odd_v, dtype=dtype, sp=False, bias=use == "both",
+                                 use=use, temperature=0.7)
+                entropy_case(ck, dev, group, n=5 * p, h=20, v=odd_v, dtype=dtype, sp=True, bias=False,
+                             temperature=1.3, softcap=3.0)
+            if args.backend == "nccl":
+                for dtype in dtypes:
+                    entropy_case(ck, dev, group, n=2 * 1024, h=2048, v=32001, dtype=dtype, sp=True, bias=False,
+                                 temperature=0.7)
+            else:
+                entropy_case(ck, dev, group, n=4 * p, h=30, v=3 * p + 2, dtype=torch.float64, sp=True, bias=True,
+                             temperature=0.8, softcap=4.0, tol=(1e-12, 1e-10))
             for dtype in dtypes:
                 determinism(ck, dev, group, dtype)
             compiled(ck, dev, group, dtypes[0])

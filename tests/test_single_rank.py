@@ -693,8 +693,9 @@ def test_fused_logits_mode_rejects_unknown():
             pass
 
 
-@pytest.mark.parametrize("bias, softcap, with_sum", [(False, 0.0, False), (True, 3.0, True)])
-def test_kernels_match_their_torch_references(bias, softcap, with_sum):
+@pytest.mark.parametrize("bias, softcap, with_sum, with_ent", [(False, 0.0, False, False), (True, 3.0, True, False),
+                                                          (False, 0.0, False, True), (True, 3.0, True, True)])
+def test_kernels_match_their_torch_references(bias, softcap, with_sum, with_ent):
     """Each Helion kernel (reference mode, several tiles in every dimension, odd shapes) against the
     torch reference in its own file: lse_forward (statistics, and the logits it stores), chunk_stats
     and chunk_grad_."""
@@ -714,15 +715,26 @@ def test_kernels_match_their_torch_references(bias, softcap, with_sum):
     for k, bs in SMALL_BLOCKS.items():  # the dims really are tiled several times
         assert all(size < dim for size, dim in zip(bs.values(), (n, v, h))), k
     z_kernel, z_ref = torch.empty(n, v), torch.empty(n, v)
-    got = launch.lse_forward(x, w, b, tl, scale, softcap, with_sum, s, z_out=z_kernel)
-    ref = lse_forward_reference(x, w, b, tl, scale, softcap, with_sum, z_out=z_ref)
+    got = launch.lse_forward(x, w, b, tl, scale, softcap, with_sum, s, z_out=z_kernel, with_ent=with_ent)
+    ref = lse_forward_reference(x, w, b, tl, scale, softcap, with_sum, z_out=z_ref, with_ent=with_ent)
+    assert got.shape == ref.shape == (n, 5 if with_ent else 4)
     assert rel(z_kernel, z_ref) < 1e-6
     assert rel(got, ref) < 1e-5, (got[:3], ref[:3])
-    assert rel(launch.lse_forward(x, w, b, tl, scale, softcap, with_sum, s), ref) < 1e-5  # logits never stored
-    assert rel(launch.chunk_stats(z_ref, tl, scale, softcap, with_sum, s),
-               torch.stack(chunk_stats_reference(z_ref, tl, scale, softcap, with_sum), dim=1)) < 1e-5
+    # logits never stored
+    assert rel(launch.lse_forward(x, w, b, tl, scale, softcap, with_sum, s, with_ent=with_ent), ref) < 1e-5
+    k = 5 if with_ent else 4
+    assert rel(launch.chunk_stats(z_ref, tl, scale, softcap, with_sum, s, with_ent),
+               torch.stack(chunk_stats_reference(z_ref, tl, scale, softcap, with_sum, with_ent)[:k], dim=1)) < 1e-5
+    if with_ent:  # the entropy column against its definition -sum p log p, in float64
+        y = z_ref.double() * scale
+        y = softcap * torch.tanh(y / softcap) if softcap else y
+        logp = torch.log_softmax(y, 1)
+        assert rel(ref[:, 4].double(), -(logp.exp() * logp).sum(1)) < 1e-5
     lse, gw = ref[:, 0].contiguous(), torch.rand(n, generator=g)
     kw = dict(scale=scale, eps_over_v=0.1 / v, one_minus_eps=0.9, two_zl=2e-3, softcap=softcap)
-    dz = launch.chunk_grad_(z_ref.clone(), tl, lse, gw, settings=s, **kw)
-    dz_ref = chunk_grad_reference_(z_ref.clone(), tl, lse, gw, **kw)
+    ent_kw = dict(mu=(ref[:, 0] - ref[:, 4]).contiguous(), gh=torch.randn(n, generator=g)) if with_ent else {}
+    dz = launch.chunk_grad_(z_ref.clone(), tl, lse, gw, settings=s, **kw, **ent_kw)
+    dz_ref = chunk_grad_reference_(z_ref.clone(), tl, lse, gw, **kw, **ent_kw)
     assert rel(dz, dz_ref) < 1e-5
+    if with_ent:  # the entropy term really is in there
+        assert rel(dz, chunk_grad_reference_(z_ref.clone(), tl, lse, gw, **kw)) > 1e-3

@@ -1,7 +1,8 @@
 """The collectives of the vocab-parallel loss. Every function is a no-op at group size 1.
 
-Per training step (group of P ranks, N tokens, H hidden, 4 float32 stats per token):
-  forward   one all-gather of the per-rank stats, ``[P, N, 4]`` float32 = 16*P*N bytes
+Per training step (group of P ranks, N tokens, H hidden, 4 float32 stats per token; 5 with
+``return_entropy``):
+  forward   one all-gather of the per-rank stats, ``[P, N, 4]`` float32 = 16*P*N bytes (20*P*N)
             (the fused strategy issues it per token chunk: same bytes, N/Nc calls)
   backward  one all-reduce of dX, ``N*H`` elements of hidden's dtype (async, overlapped with dW)
   SP        plus an all-gather of hidden (``N*H``) and targets, and a reduce-scatter of dX instead
@@ -41,21 +42,39 @@ def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None,
                   guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge per-rank ``[N, 4]`` stats ``(lse_r, target_logit_r, sum_logits_r, max_logit_r)`` into
     the global ``(lse, target_logit, sum_logits, max_logit)`` with ONE all-gather (16·P·N bytes)
-    and a local logsumexp / sum / max. ``guard`` (int32 words, ``guard.py``) rides in the same
-    all-gather as the raw bits of extra rows (32 bytes per rank); returns ``(merged, [P, words]
-    guards of every rank)`` (None without a guard or at group size 1).
+    and a local logsumexp / sum / max. ``[N, 5]`` stats carry the shard's softmax entropy ``H_r``
+    too (20·P·N bytes), merged as ``H = sum_r w_r (H_r + lse - lse_r)`` with ``w_r = exp(lse_r -
+    lse)`` (each shard's share of the probability mass; every term >= 0, no cancellation).
+    ``guard`` (int32 words, ``guard.py``) rides in the same all-gather as the raw bits of extra rows
+    (32 bytes per rank, padded to whole rows); returns ``(merged, [P, words] guards of every
+    rank)`` (None without a guard or at group size 1).
 
-    Ranks with an empty shard contribute ``lse_r = max_r = -inf``; logsumexp and max ignore them."""
+    Ranks with an empty shard contribute ``lse_r = max_r = -inf`` (and ``H_r = 0``); logsumexp,
+    max and the entropy's weights ignore them."""
     p = group_size(group)
     if p == 1:
         return stats, None
-    nc = stats.shape[0]
-    payload = stats if guard is None else torch.cat([stats, guard.view(stats.dtype).reshape(-1, 4)])
-    out = all_gather_rows(payload, group).view(p, -1, 4)
-    guards = None if guard is None else out[:, nc:].contiguous().view(torch.int32).reshape(p, -1)
+    nc, k = stats.shape
+    if guard is None:
+        payload = stats
+    else:
+        bits = guard.view(stats.dtype)
+        pad = -bits.numel() % k
+        if pad:
+            bits = torch.cat([bits, bits.new_zeros(pad)])
+        payload = torch.cat([stats, bits.reshape(-1, k)])
+    out = all_gather_rows(payload, group).view(p, -1, k)
+    guards = None
+    if guard is not None:
+        words = guard.numel() * guard.element_size() // stats.element_size()
+        guards = out[:, nc:].reshape(p, -1)[:, :words].contiguous().view(torch.int32).reshape(p, -1)
     out = out[:, :nc]
     lse = torch.logsumexp(out[..., 0], dim=0)
-    return torch.stack([lse, out[..., 1].sum(0), out[..., 2].sum(0), out[..., 3].amax(0)], dim=1), guards
+    cols = [lse, out[..., 1].sum(0), out[..., 2].sum(0), out[..., 3].amax(0)]
+    if k == 5:
+        w = torch.exp(out[..., 0] - lse)
+        cols.append(torch.where(w > 0, w * (out[..., 4] + lse - out[..., 0]), torch.zeros_like(w)).sum(0))
+    return torch.stack(cols, dim=1), guards
 
 
 def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None) -> dist.Work | None:

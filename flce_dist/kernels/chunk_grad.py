@@ -5,11 +5,14 @@ GLOBAL per-row logsumexp, per-row gradient weight ``g`` (0 for ignored rows), la
 ``eps`` over the global vocabulary ``V`` and z-loss coefficient ``zl``:
 
     dL/dy = g * ((1 + 2*zl*lse) * p - (1 - eps) * onehot(target) - eps / V)
+            - gh * p * (y - mu)                          (with_ent: entropy H = lse - mu, mu = sum_v p y)
     dL/dz = dL/dy * s * (1 - (y/c)^2)        (softcap)      or   dL/dy * s   (no softcap)
 
 Grid: (token tile x vocab tile) over ``z [Nc, Vc]``; each element is read once and written once in
 ``z``'s dtype. Out-of-bounds elements of partial tiles are neither read nor written.
-Per-row inputs: ``lse [Nc]``, ``g [Nc]`` float32, ``target_local [Nc]`` int32 (-1: no target here).
+Per-row inputs: ``lse [Nc]``, ``g [Nc]`` float32, ``target_local [Nc]`` int32 (-1: no target here);
+with ``with_ent`` also ``mu [Nc]`` (the global ``sum_v p y``) and ``gh [Nc]`` (dL/dH per row), so the
+loss's and the entropy's gradients leave in one pass (``[1]`` dummies without).
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ def chunk_grad_(
     target_local: torch.Tensor,
     lse: torch.Tensor,
     g: torch.Tensor,
+    mu: torch.Tensor,
+    gh: torch.Tensor,
     scale: float,
     eps_over_v: float,
     one_minus_eps: float,
     two_zl: float,
     softcap: hl.constexpr,
+    with_ent: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
 ) -> torch.Tensor:
@@ -49,6 +55,8 @@ def chunk_grad_(
         dy = (g_t * (1.0 + two_zl * lse_t))[:, None] * p - torch.where(
             hit, (g_t * one_minus_eps)[:, None], 0.0
         ) - (g_t * eps_over_v)[:, None]
+        if with_ent:
+            dy = dy - gh[tile_n].to(ct)[:, None] * p * (y - mu[tile_n].to(ct)[:, None])
         if softcap > 0:
             r = y / softcap
             dy = dy * (1.0 - r * r)
@@ -58,7 +66,7 @@ def chunk_grad_(
 
 def chunk_grad_reference_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
                           scale: float, eps_over_v: float, one_minus_eps: float, two_zl: float,
-                          softcap: float) -> torch.Tensor:
+                          softcap: float, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's math in torch, in place on ``z`` (used for size-1 dims and by the tests)."""
     if z.numel() == 0:
         return z
@@ -66,6 +74,8 @@ def chunk_grad_reference_(z: torch.Tensor, target_local: torch.Tensor, lse: torc
     onehot = torch.arange(z.shape[1], device=z.device)[None, :] == target_local[:, None]
     dy = ((g * (1 + two_zl * lse))[:, None] * torch.exp(y - lse[:, None]) - onehot * (g * one_minus_eps)[:, None]
           - (g * eps_over_v)[:, None])
+    if gh is not None:
+        dy = dy - gh[:, None] * torch.exp(y - lse[:, None]) * (y - mu[:, None])
     if softcap > 0:
         dy = dy * (1 - (y / softcap) ** 2)
     return z.copy_(dy * scale)

@@ -3,15 +3,18 @@
 Algorithm, for a chunk ``z [Nc, V]`` of raw logits (cuBLAS ``x_chunk @ W.T (+ b)``):
 
     for each token tile n (BN rows):                 # grid: Nc/BN programs
-        m, s, t, sy = -inf, 0, 0, 0                  # running max, sum-exp, target logit, sum
+        m, s, t, sy, e = -inf, 0, 0, 0, 0            # running max, sum-exp, target logit, sum,
+                                                     # sum_v exp(y - m) * (y - m)  (entropy only)
         for each vocab tile v (BV columns):          # loop
             y  = transform(z[n, v])                  # scale, softcap, as in lse_forward
-            m' = max(m, max_v y);  s = s * exp(m - m') + sum_v exp(y - m');  m = m'
+            m' = max(m, max_v y);  a = exp(m - m')
+            e  = a * (e + (m - m') * s) + sum_v exp(y - m') * (y - m')
+            s  = s * a + sum_v exp(y - m');  m = m'
             t += y[target] if the target is in this tile;  sy += sum_v y
-        lse[n] = m + log(s)
+        lse[n] = m + log(s);  ent[n] = log(s) - e / s   # the chunk's softmax entropy
 
-Returns ``lse [Nc]``, ``tgt [Nc]``, ``sumy [Nc]`` (zeros without ``with_sum``) and the row max
-``ymax [Nc]`` (for token accuracy across shards) in float32
+Returns ``lse [Nc]``, ``tgt [Nc]``, ``sumy [Nc]`` (zeros without ``with_sum``), the row max
+``ymax [Nc]`` (for token accuracy across shards) and ``ent [Nc]`` (zeros without ``with_ent``) in float32
 (float64 for float64 chunks, so that float64 gradchecks run through the same kernels).
 Out-of-bounds vocab columns are -inf for the max and 0 for the sums; out-of-bounds rows are not
 stored.
@@ -34,20 +37,23 @@ def chunk_stats(
     scale: float,
     softcap: hl.constexpr,
     with_sum: hl.constexpr,
+    with_ent: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, v = z.size()
     ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
     lse = torch.empty([n], dtype=ct, device=z.device)
     tgt = torch.empty([n], dtype=ct, device=z.device)
     sumy = torch.empty([n], dtype=ct, device=z.device)
     ymax = torch.empty([n], dtype=ct, device=z.device)
+    ent = torch.empty([n], dtype=ct, device=z.device)
     for tile_n in hl.tile(n, block_size=block_n):
         m_i = hl.full([tile_n], float("-inf"), dtype=ct)
         s_i = hl.zeros([tile_n], dtype=ct)
         t_i = hl.zeros([tile_n], dtype=ct)
         sy_i = hl.zeros([tile_n], dtype=ct)
+        e_i = hl.zeros([tile_n], dtype=ct)
         tgt_t = target_local[tile_n]
         for tile_v in hl.tile(v, block_size=block_v):
             y = z[tile_n, tile_v].to(ct) * scale
@@ -56,7 +62,12 @@ def chunk_stats(
             valid = (tile_v.index < v)[None, :]
             ym = torch.where(valid, y, float("-inf"))
             m_new = torch.maximum(m_i, torch.amax(ym, dim=1))
-            s_i = s_i * torch.exp(m_i - m_new) + torch.sum(torch.exp(ym - m_new[:, None]), dim=1)
+            e_ym = torch.exp(ym - m_new[:, None])
+            if with_ent:  # (m - m') * s is -inf * 0 on the first tile: 0 there
+                shift = torch.where(s_i > 0, (m_i - m_new) * s_i, 0.0)
+                e_i = torch.exp(m_i - m_new) * (e_i + shift) + torch.sum(
+                    torch.where(valid, e_ym * (y - m_new[:, None]), 0.0), dim=1)
+            s_i = s_i * torch.exp(m_i - m_new) + torch.sum(e_ym, dim=1)
             m_i = m_new
             hit = tile_v.index[None, :] == tgt_t[:, None]
             t_i = t_i + torch.sum(torch.where(hit, y, 0.0), dim=1)
@@ -66,21 +77,27 @@ def chunk_stats(
         tgt[tile_n] = t_i
         sumy[tile_n] = sy_i
         ymax[tile_n] = m_i
-    return lse, tgt, sumy, ymax
+        if with_ent:
+            ent[tile_n] = torch.log(s_i) - e_i / s_i
+        else:
+            ent[tile_n] = e_i
+    return lse, tgt, sumy, ymax, ent
 
 
 def chunk_stats_reference(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float,
-                          with_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's math in torch: ``(lse, tgt, sumy, ymax)`` of ``z [Nc, V]``. Used where the kernel
-    cannot run (Helion 1.4 mis-compiles size-1 dims) and by the tests. An empty chunk or shard gives
-    lse = max = -inf and zero sums."""
+                          with_sum: bool, with_ent: bool = False) -> tuple[torch.Tensor, ...]:
+    """The kernel's math in torch: ``(lse, tgt, sumy, ymax, ent)`` of ``z [Nc, V]``. Used where the
+    kernel cannot run (Helion 1.4 mis-compiles size-1 dims) and by the tests. An empty chunk or shard
+    gives lse = max = -inf and zero sums and entropy."""
     ct = acc_dtype(z.dtype)
     if z.numel() == 0:
         inf = torch.full((z.shape[0],), float("-inf"), dtype=ct, device=z.device)
         zero = torch.zeros(z.shape[0], dtype=ct, device=z.device)
-        return inf, zero, zero.clone(), inf.clone()
+        return inf, zero, zero.clone(), inf.clone(), zero.clone()
     y = transform(z, scale, softcap)
     hit = target_local >= 0
     t = torch.where(hit, y.gather(1, target_local.clamp(min=0).long()[:, None])[:, 0], torch.zeros_like(y[:, 0]))
     sy = y.sum(1) if with_sum else torch.zeros_like(t)
-    return torch.logsumexp(y, 1), t, sy, y.amax(1)
+    lse = torch.logsumexp(y, 1)
+    ent = (torch.exp(y - lse[:, None]) * (lse[:, None] - y)).sum(1) if with_ent else torch.zeros_like(t)
+    return lse, t, sy, y.amax(1), ent

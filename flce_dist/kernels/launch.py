@@ -10,9 +10,11 @@ or entries fall back to ``DEFAULTS`` below. ``python -m flce_dist.tune`` writes 
 Entry points (each falls back to its kernel file's torch reference where the kernel cannot run):
 
     logits(x, w, bias, out)          cuBLAS x @ w.T (+ bias)
-    lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out)
-    chunk_stats(z, tl, ...)          [Nc, 4] stats of a materialised chunk
-    chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits
+    lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out);
+                                     [N, 5] with_ent (5th column: the shard's softmax entropy)
+    chunk_stats(z, tl, ...)          [Nc, 4] (or [Nc, 5]) stats of a materialised chunk
+    chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits (with mu, gh: plus the
+                                     entropy's gradient)
 
 Helion is imported on the first launch, not with this module. On a CPU tensor the first launch
 needs Helion's reference mode (``flce_dist.setup_reference_mode()``).
@@ -154,15 +156,15 @@ def cublas_logits(x: torch.Tensor) -> bool:
 
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, settings: Settings,
-                z_out: torch.Tensor | None = None) -> torch.Tensor:
+                z_out: torch.Tensor | None = None, with_ent: bool = False) -> torch.Tensor:
     """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
-    (float64 for float64); the logits are written to ``z_out`` [N, V] when given (the fused strategy),
-    else never stored."""
+    (float64 for float64), ``[N, 5]`` with ``with_ent`` (plus the shard's softmax entropy); the logits
+    are written to ``z_out`` [N, V] when given (the fused strategy), else never stored."""
     if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x):
         # size-1 dims (Helion 1.4 bug), float64 and CUDA float32: cuBLAS logits + chunk_stats,
         # token chunk by token chunk when nothing asks for the logits (memory O(chunk))
         def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-            return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum, settings)
+            return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum, settings, with_ent)
 
         n = x.shape[0]
         rows = n if z_out is not None or n == 0 else chunk_rows(n, w.shape[0], x.element_size(), x.device, settings)
@@ -174,32 +176,39 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     b = bias if bias is not None else w.new_zeros(1)
     zo = z_out if z_out is not None else x.new_empty(1, 1)
     parts = _launch("lse_forward", (x, w, b, target_local, zo, float(scale), float(softcap), bool(bias is not None),
-                                    z_out is not None, bool(with_sum)),
+                                    z_out is not None, bool(with_sum), bool(with_ent)),
                     x.device, x.dtype, settings, "store" if z_out is not None else "", x.shape[1])
-    return merge_partials(*parts, with_sum)
+    return merge_partials(*parts, with_sum, with_ent)
 
 
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,
-                settings: Settings) -> torch.Tensor:
-    """Per-row ``[Nc, 4]`` stats (lse, target logit, sum, max) of a materialised logits chunk ``z``."""
+                settings: Settings, with_ent: bool = False) -> torch.Tensor:
+    """Per-row ``[Nc, 4]`` stats (lse, target logit, sum, max) of a materialised logits chunk ``z``;
+    ``[Nc, 5]`` with ``with_ent`` (plus the chunk's softmax entropy)."""
+    k = 5 if with_ent else 4
     if z.numel() == 0 or _degenerate(*z.shape):
         from .chunk_stats import chunk_stats_reference
 
-        return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum), dim=1)
-    out = _launch("chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum)), z.device, z.dtype,
-                  settings)
-    return torch.stack(out, dim=1)
+        return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)[:k], dim=1)
+    out = _launch("chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
+                  z.device, z.dtype, settings)
+    return torch.stack(out[:k], dim=1)
 
 
 def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
                 eps_over_v: float, one_minus_eps: float, two_zl: float, softcap: float,
-                settings: Settings) -> torch.Tensor:
-    """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py)."""
+                settings: Settings, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None) -> torch.Tensor:
+    """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py); with ``mu``
+    and ``gh`` [Nc] (the global ``sum_v p y`` and dL/dentropy per row) the entropy's gradient too."""
     if z.numel() == 0:
         return z
     if _degenerate(*z.shape):
         from .chunk_grad import chunk_grad_reference_
 
-        return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap)
-    return _launch("chunk_grad", (z, target_local, lse, g, float(scale), float(eps_over_v), float(one_minus_eps),
-                                  float(two_zl), float(softcap)), z.device, z.dtype, settings)
+        return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap,
+                                     mu, gh)
+    with_ent = gh is not None
+    dummy = g[:1]
+    return _launch("chunk_grad", (z, target_local, lse, g, mu if with_ent else dummy, gh if with_ent else dummy,
+                                  float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap),
+                                  with_ent), z.device, z.dtype, settings)

@@ -13,9 +13,13 @@ Algorithm (per rank; ``W`` is this rank's ``[V, H]`` shard):
         psum[v_tile, n] = sum_v exp(y - pmax)
         ptgt[v_tile, n] = y[n, target_local[n]] if the target falls in this tile else 0
         psumy[v_tile,n] = sum_v y                  # only with label smoothing
+        pent[v_tile, n] = sum_v exp(y - pmax) * (y - pmax)   # only with entropy (return_entropy)
 
 The partials (``[ceil(V/BV), N]`` float32 each, 1/BV of the logits) are merged by the caller
-into the shard's logsumexp and target logit. A grid over token tiles only gives N/BN programs
+into the shard's logsumexp, target logit and (with entropy) the shard's softmax entropy
+``H_r = log S - sum_t a_t (s_t (m_t - M) + e_t) / S`` (``M`` = max of the tile maxima ``m_t``,
+``a_t = exp(m_t - M)``, ``S = sum_t a_t s_t``): every term is relative to a maximum, so a peaked
+distribution's small entropy is not the difference of two large numbers. A grid over token tiles only gives N/BN programs
 (64 at N=8192) for 132 SMs; this grid keeps the matmul's parallelism (measured on the H200: 1.05x cuBLAS, benchmarks/NOTES.md).
 
 Shapes: x [N, H], w [V, H], bias [V] (or a [1] dummy with ``has_bias=False``),
@@ -47,10 +51,11 @@ def lse_forward_partials(
     has_bias: hl.constexpr,
     store_logits: hl.constexpr,
     with_sum: hl.constexpr,
+    with_ent: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
     block_h: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, h = x.size()
     v = w.size(0)
     n_vt = (v + block_v - 1) // block_v
@@ -58,6 +63,7 @@ def lse_forward_partials(
     psum = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
     ptgt = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
     psumy = torch.empty([n_vt if with_sum else 1, n], dtype=torch.float32, device=x.device)
+    pent = torch.empty([n_vt if with_ent else 1, n], dtype=torch.float32, device=x.device)
     for tile_v, tile_n in hl.tile([v, n], block_size=[block_v, block_n]):
         acc = hl.zeros([tile_n, tile_v], dtype=torch.float32)
         for tile_h in hl.tile(h, block_size=block_h):
@@ -73,7 +79,8 @@ def lse_forward_partials(
         valid = (tile_v.index < v)[None, :]
         ym = torch.where(valid, y, float("-inf"))
         m = torch.amax(ym, dim=1)
-        s = torch.sum(torch.exp(ym - m[:, None]), dim=1)
+        e_ym = torch.exp(ym - m[:, None])
+        s = torch.sum(e_ym, dim=1)
         hit = tile_v.index[None, :] == target_local[tile_n][:, None]
         t = torch.sum(torch.where(hit, y, 0.0), dim=1)
         pmax[tile_v.id, tile_n] = m
@@ -81,24 +88,33 @@ def lse_forward_partials(
         ptgt[tile_v.id, tile_n] = t
         if with_sum:
             psumy[tile_v.id, tile_n] = torch.sum(torch.where(valid, y, 0.0), dim=1)
-    return pmax, psum, ptgt, psumy
+        if with_ent:
+            pent[tile_v.id, tile_n] = torch.sum(torch.where(valid, e_ym * (y - m[:, None]), 0.0), dim=1)
+    return pmax, psum, ptgt, psumy, pent
 
 
 def merge_partials(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, psumy: torch.Tensor,
-                   with_sum: bool) -> torch.Tensor:
+                   pent: torch.Tensor, with_sum: bool, with_ent: bool = False) -> torch.Tensor:
     """The kernel's ``[ceil(V/BV), N]`` partials merged over vocab tiles into ``[N, 4]`` stats
-    (shard lse, target logit, sum of logits, max logit)."""
+    (shard lse, target logit, sum of logits, max logit), ``[N, 5]`` with the shard entropy."""
     m = pmax.amax(0)
-    lse = m + torch.log((psum * torch.exp(pmax - m)).sum(0))
+    a = torch.exp(pmax - m)
+    big_s = (psum * a).sum(0)
+    lse = m + torch.log(big_s)
     sumy = psumy.sum(0) if with_sum else torch.zeros_like(m)
-    return torch.stack([lse, ptgt.sum(0), sumy, m], dim=1)
+    cols = [lse, ptgt.sum(0), sumy, m]
+    if with_ent:
+        cols.append(torch.log(big_s) - (a * (psum * (pmax - m) + pent)).sum(0) / big_s)
+    return torch.stack(cols, dim=1)
 
 
 def lse_forward_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
-                          scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None,
+                          with_ent: bool = False) -> torch.Tensor:
     """The kernel's math in torch (full logits of ``x``, rounded to x's dtype, as the kernel does):
-    ``[N, 4]`` stats; the logits go to ``z_out`` when given."""
+    ``[N, 4]`` stats (``[N, 5]`` with the entropy); the logits go to ``z_out`` when given."""
     z = torch.mm(x, w.T) if bias is None else torch.addmm(bias, x, w.T)
     if z_out is not None:
         z_out.copy_(z)
-    return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum), dim=1)
+    cols = chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)
+    return torch.stack(cols if with_ent else cols[:4], dim=1)

@@ -1,0 +1,377 @@
+"""RL / post-training head benchmark (issue #16): per-token log-probs and entropy, with gradients.
+
+    python benchmarks/bench_rl.py [--shapes llama3,qwen3,gemma] [--n 8192] [--data random,realistic]
+        [--impls flce_rl,flce_loss,flce_mean,liger,torch] [--temperature 0.7] [--beta 0.01] [--reps 10]
+        [--check-n 512] [--out DIR]                                     # TP=1, one GPU
+    torchrun --nproc_per_node=2 benchmarks/bench_rl.py [same options]    # TP=2 (NCCL)
+    python benchmarks/bench_rl.py --cpu-smoke [--out DIR]                # CPU, Helion reference mode, tiny shape
+    torchrun --nproc_per_node=2 benchmarks/bench_rl.py --cpu-smoke       # the same on 2 gloo ranks
+
+Every row times forward+backward of the RL objective  obj = (adv * logp).sum() + beta * entropy.sum()
+with z = x @ W.T, p = softmax(z / T) over the GLOBAL vocab, logp = log p[target], entropy = -(p * log p).sum();
+adv a fixed float32 N(0, 1) per-token advantage, beta = --beta, T = --temperature (a sampling temperature),
+bf16 inputs, target = the data mode's. Rows (``--impls``):
+  flce_rl    flce_dist.logprobs_and_entropy(x, W_r, t, group=TP, temperature=T) -> (logp, entropy), float32, both
+             differentiable (a tree with only the long form: fused_linear_cross_entropy(..., reduction="none",
+             temperature=T, return_entropy=True) -> (loss, entropy), logp = -loss).
+  flce_loss  the anchor (issue #16: flce_rl <= 1.10 x this row): fused_linear_cross_entropy(..., reduction="none",
+             temperature=T), obj = (adv * -loss).sum(); no entropy (reduction="none": the recompute strategy).
+  flce_mean  context: the default reduction="mean" loss at temperature T (the fused strategy), obj = loss.
+  liger      Liger-Kernel 0.8.5, liger_kernel.ops.fused_linear_scaled_cross_entropy, the same objective as flce_rl:
+               TP=1  LigerFusedLinearScaledCrossEntropyFunction.apply(x, W, t, temperature=T, return_entropy=True)
+               TP>1  LigerFusedLinearScaledCrossEntropyTPFunction.apply(x, W_r, t, group, temperature=T,
+                     return_entropy=True)
+             -> (nll float32 [N], entropy [N]), both differentiable; logp = -nll, entropy upcast to float32. Which
+             path ran is the row's ``note``: TP=1 on sm90 the CuTe DSL kernel (nvidia-cutlass-dsl; entropy comes
+             back in bf16; if its import fails the row calls the module's own fallback _FusedLinearPPOFallbackFunction:
+             torch ops in 512-token chunks, entropy in the input dtype); TP>1 the native CUTLASS + NVSHMEM kernel when
+             liger_cute_kernels is installed (the group needs an NVSHMEM team), else its 512-token torch fallback.
+             The TP function takes vocab_start = rank * V_r: equal shards only (the row is skipped otherwise).
+  torch      materialised float32 logits, no chunking. TP=1: z = (x @ W.T).float() / T, logp =
+             log_softmax(z).gather(t), entropy = -(softmax(z) * log_softmax(z)).sum(-1). TP>1: Megatron-style on
+             the [N, V/P] float32 shard logits (max, then sum exp, sum exp * z and the target logit summed over
+             ranks; an autograd Function whose backward is the identity, dX all-reduced). CUDA OOM: row "OOM".
+Collectives per call at TP=2 (N tokens, H hidden):
+  flce_loss, flce_mean  fwd one all-gather of [N, 4] float32 stats (flce_mean: one per token chunk, same bytes);
+                        bwd one all-reduce of dX ([N, H] bf16)
+  flce_rl               as flce_loss, plus what the entropy adds (see fused_linear_cross_entropy's docstring)
+  liger                 fallback: per 512-token chunk an all-reduce MAX [512] + all-reduce SUM [3, 512] float32 (2N/512
+                        calls), bwd one dX all-reduce; native: NVSHMEM reductions inside the kernels
+  torch                 fwd all-reduce MAX [N] + all-reduce SUM [3, N] float32; bwd one all-reduce of dX
+Before timing, on the first (shape, data mode) at --check-n tokens (512; 0: skip): every rank builds the full
+inputs in bf16, the reference is the TP=1 torch formula in float32 on the full W (random coefficients on logp and
+entropy so both gradients count); flce_rl and torch run in float32, liger in bf16 (its sm90 kernels take bf16
+only); the relative error ||got - ref|| / ||ref|| of logp, entropy, dX and dW (the shard) is printed, the max over
+ranks; an AssertionError if flce_rl or torch > 1e-3, liger > 2e-2 (bf16 inputs, bf16 entropy / dW); a liger call
+that raises there (a missing kernel dependency) is printed and the row left out.
+Times are the max over ranks of the per-rank median fwd+bwd (CUDA events; CPU: perf_counter), ``ratio`` is to
+the flce_loss row of the same shape and data, ``mem_gib`` the per-rank peak above the inputs with the gradients
+(max over ranks; nan on CPU). Writes ``bench_rl_tp<P>.csv`` (``_n<N>`` for N != 8192, ``_<modes>`` unless --data
+is the default) to benchmarks/results and --out (--cpu-smoke: ``bench_rl_tp<P>_smoke.csv`` to --out only);
+prints the table last. Rows carry the data mode's ``d_*`` numbers as in bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import inspect
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+if importlib.util.find_spec("flce_dist") is None:  # a tree on PYTHONPATH wins (device.sh ab/tpab: before vs after)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flce_dist  # noqa: E402
+from flce_dist import vocab_shard  # noqa: E402
+from flce_dist._timing import SHAPES, cuda_time_ms, peak_gib, write_csv  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import data as bench_data  # noqa: E402
+from bench import csv_suffix, describe_cols  # noqa: E402
+from bench_tp import _CopyToTP  # noqa: E402
+
+IMPLS = ("flce_rl", "flce_loss", "flce_mean", "liger", "torch")
+RL_SHAPES = {**SHAPES, "tiny": (32, 1000)}  # tiny: --cpu-smoke
+TOL = {"flce_rl": 1e-3, "torch": 1e-3, "liger": 2e-2}
+
+
+class _SumTP(torch.autograd.Function):
+    """All-reduce SUM forward; identity backward (the objective is the same on every rank, so each rank's
+    partial sum gets the gradient of the total as is)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        t = t.contiguous().clone()
+        dist.all_reduce(t, group=group)
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def torch_rl(x, w, t, temp, group=None, start=0):
+    """(logp, entropy) float32 from materialised logits; ``group``: Megatron-style over the vocab shards."""
+    if group is None:
+        z = (x @ w.T).float() / temp
+        lsm = z.log_softmax(-1)
+        return lsm.gather(1, t[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    z = (_CopyToTP.apply(x, group) @ w.T).float() / temp
+    m = z.detach().amax(-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    ez = (z - m[:, None]).exp()
+    tl = t - start
+    inside = (tl >= 0) & (tl < z.shape[1])
+    zt = torch.where(inside, z.gather(1, torch.where(inside, tl, 0)[:, None])[:, 0], 0.0)
+    s, sz, zt = _SumTP.apply(torch.stack([ez.sum(-1), (ez * z).sum(-1), zt]), group).unbind(0)
+    lse = m + s.log()
+    return zt - lse, lse - sz / s
+
+
+def flce_rl_fn():
+    """flce_dist's (logp, entropy) call and the form it uses, or (None, the reason)."""
+    if hasattr(flce_dist, "logprobs_and_entropy"):
+        def short_form(x, w, t, temp, group, *_):
+            return flce_dist.logprobs_and_entropy(x, w, t, group=group, temperature=temp)
+        return short_form, "logprobs_and_entropy"
+    if "return_entropy" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
+        def long_form(x, w, t, temp, group, *_):
+            loss, ent = flce_dist.fused_linear_cross_entropy(x, w, t, group=group, reduction="none", temperature=temp,
+                                                             return_entropy=True)
+            return -loss, ent
+        return long_form, "fused_linear_cross_entropy(return_entropy=True)"
+    return None, "flce_dist has neither logprobs_and_entropy nor return_entropy= (issue #16 not in this tree)"
+
+
+def liger_fn(dev, p, dtype):
+    """Liger's (logp, entropy) call and the note naming the path it takes, or (None, reason)."""
+    try:
+        from liger_kernel.ops import fused_linear_scaled_cross_entropy as lfs
+    except Exception as e:  # noqa: BLE001
+        return None, f"liger unavailable: {type(e).__name__}: {e}"
+    if p == 1:
+        fallback, why = lfs._FusedLinearPPOFallbackFunction, ""
+        try:
+            impl = lfs._resolve_implementation(dev)  # sm90: imports the CuTe DSL kernel
+        except ImportError as e:  # nvidia-cutlass-dsl / cuda-python missing: the module's own fallback, directly
+            impl, why = fallback, f" (sm90 kernel import failed: {e})"
+        if impl is fallback:
+            return (lambda x, w, t, temp, group, *_: _neg(fallback.apply(x, w, t, temp, -100, True))), \
+                "fallback 512-token chunks" + why
+        fn = lfs.LigerFusedLinearScaledCrossEntropyFunction.apply
+        return (lambda x, w, t, temp, group, *_: _neg(fn(x, w, t, temperature=temp, return_entropy=True))), \
+            impl.__name__
+    try:
+        native = lfs._load_native_tp_function()
+    except ImportError:
+        native = None
+    native = native is not None and dtype == torch.bfloat16 and lfs._supports_native_tp_architecture(dev)
+    fn = lfs.LigerFusedLinearScaledCrossEntropyTPFunction.apply
+    return ((lambda x, w, t, temp, group, *_: _neg(fn(x, w, t, group, temperature=temp, return_entropy=True))),
+            "native CUTLASS+NVSHMEM" if native else "TP fallback 512-token chunks")
+
+
+def _neg(out):
+    nll, ent = out
+    return -nll, ent.float()
+
+
+def _rl_obj(logp, ent, adv, beta):
+    return (adv * logp).sum() + beta * ent.sum()
+
+
+def timed(fn, reps, dev, group):
+    """Median fwd+bwd ms of this rank (a barrier before each timed call under TP), the max over ranks."""
+    before = (lambda: dist.barrier(group=group)) if group is not None else None
+    if dev.type == "cuda":
+        ms = cuda_time_ms(fn, reps, before=before)
+    else:
+        fn()
+        ts = []
+        for _ in range(reps):
+            if before:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(ts)
+    return _max_over_ranks(ms, dev, group)
+
+
+def _max_over_ranks(val, dev, group):
+    if group is None:
+        return val
+    t = torch.tensor([val], device=dev, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def check(pairs, xf, wf, t, temp, group, s, e, dev):
+    """flce_rl / torch (float32) and liger (bf16) vs the TP=1 torch formula in float32 on the full W. A liger
+    call that raises (a missing kernel dependency) is printed and its name returned, to be left out."""
+    g = torch.Generator(device=dev).manual_seed(2)
+    c1, c2 = (torch.randn(t.shape[0], device=dev, generator=g) for _ in range(2))
+    xr, wr = xf.float().requires_grad_(), wf.float().requires_grad_()
+    lp, en = torch_rl(xr, wr, t, temp)
+    ((c1 * lp).sum() + (c2 * en).sum()).backward()
+    failed = []
+    for name, fn in pairs.items():
+        dt = torch.float32 if name != "liger" else xf.dtype
+        x = xf.to(dt).clone().requires_grad_()
+        w = wf[s:e].to(dt).clone().requires_grad_()
+        try:
+            lp2, en2 = fn(x, w, t, temp, group, s)
+            ((c1 * lp2).sum() + (c2 * en2).sum()).backward()
+        except Exception as ex:  # noqa: BLE001
+            if name != "liger":
+                raise
+            print(f"  liger left out: {type(ex).__name__}: {str(ex)[:300]}")
+            failed.append(name)
+            continue
+        errs = dict(logp=_rel(lp2, lp), entropy=_rel(en2.float(), en), dX=_rel(x.grad, xr.grad),
+                    dW=_rel(w.grad, wr.grad[s:e]))
+        errs = {k: _max_over_ranks(v, dev, group) for k, v in errs.items()}
+        worst = max(errs.values())
+        if group is None or dist.get_rank(group) == 0:
+            print(f"  check {name} ({dt}, N={t.shape[0]}): max rel err {worst:.2e} "
+                  + " ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+        if not worst <= TOL[name]:
+            raise AssertionError(f"{name} differs from the float32 torch reference: {errs} (tolerance {TOL[name]})")
+    return failed
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=None, help="comma list from SHAPES (default llama3,qwen3,gemma; smoke: tiny)")
+    ap.add_argument("--n", type=int, default=None, help="tokens (default 8192; smoke: 64)")
+    ap.add_argument("--reps", type=int, default=None, help="timed calls per row (default 10; smoke: 2)")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--beta", type=float, default=0.01, help="entropy coefficient of the objective")
+    ap.add_argument("--check-n", type=int, default=512, help="tokens of the correctness check (0: skip)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--cpu-smoke", action="store_true", help="--device cpu, shape tiny (H=32, V=1000), N=64")
+    bench_data.add_data_args(ap)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    bench_data.check_data_args(ap, args)
+    smoke = args.cpu_smoke
+    args.device = "cpu" if smoke else args.device
+    args.shapes = args.shapes or ("tiny" if smoke else "llama3,qwen3,gemma")
+    args.n = args.n or (64 if smoke else 8192)
+    args.reps = args.reps or (2 if smoke else 10)
+    bad = [s for s in args.shapes.split(",") if s not in RL_SHAPES]
+    bad += [i for i in args.impls.split(",") if i not in IMPLS]
+    if bad:
+        ap.error(f"unknown {bad} (shapes: {list(RL_SHAPES)}, impls: {list(IMPLS)})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device: pass --device cpu or --cpu-smoke")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cpu":
+        flce_dist.setup_reference_mode()
+    rank, p = 0, 1
+    if "RANK" in os.environ and not dist.is_initialized():
+        rank = int(os.environ["RANK"])
+        if dev.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        rank, p = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD if p > 1 else None
+    say = print if rank == 0 else (lambda *a, **k: None)
+    dt, temp, beta = torch.bfloat16, args.temperature, args.beta
+    rl = {}  # name -> fn(x, w, t, temp, group, vocab_start) -> (logp, entropy)
+    notes = {"flce_loss": "anchor: reduction=none, no entropy", "flce_mean": "reduction=mean loss, no entropy"}
+    impls = args.impls.split(",")
+    tnote = "Megatron fp32 shard logits" if p > 1 else "materialised fp32 logits"
+    getters = {"flce_rl": flce_rl_fn, "liger": lambda: liger_fn(dev, p, dt), "torch": lambda: (torch_rl, tnote)}
+    for name, get in getters.items():
+        if name not in impls:
+            continue
+        fn, why = get()
+        if fn is None:
+            say(f"skipping {name}: {why}")
+            impls.remove(name)
+        else:
+            rl[name] = fn
+            notes[name] = why
+    cases = [(name, d, *RL_SHAPES[name]) for name in args.shapes.split(",") for d in args.data if d != "trained"]
+    if "trained" in args.data:
+        cases.append(("trained", "trained", *bench_data.fixture_shape(args.fixture)))
+    rows = []
+    for ci, (name, mode, h, v) in enumerate(cases):
+        s, e = vocab_shard(v, rank, p)
+        even = len({vocab_shard(v, r, p)[1] - vocab_shard(v, r, p)[0] for r in range(p)}) == 1
+        live = [i for i in impls if i != "liger" or even]
+        if len(live) < len(impls):
+            say(f"skipping liger at {name}: its TP function needs equal vocab shards (V={v}, P={p})")
+        say(f"{name} H={h} V={v} data={mode} P={p} N={args.n} T={temp} beta={beta}")
+
+        def inputs(n):
+            return bench_data.make_inputs(n, h, v, mode=mode, dtype=dt, device=dev, seed=0,
+                                          sorted_vocab=args.sorted_vocab, fixture=args.fixture or None)
+
+        if ci == 0 and args.check_n > 0:
+            xc, wc, tc = inputs(min(args.check_n, args.n))
+            failed = check({k: f for k, f in rl.items() if k in live}, xc, wc, tc, temp, group, s, e, dev)
+            impls = [i for i in impls if i not in failed]
+            live = [i for i in live if i not in failed]
+            del xc, wc, tc
+        xf, wf, t = inputs(args.n)
+        dcols = describe_cols(xf, wf, t) if rank == 0 else {}
+        x = xf.clone().requires_grad_()
+        w = wf[s:e].clone().requires_grad_()
+        del xf, wf
+        adv = torch.randn(args.n, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
+        fl = flce_dist.fused_linear_cross_entropy
+        objs = {k: (lambda f: lambda: _rl_obj(*f(x, w, t, temp, group, s), adv, beta))(f) for k, f in rl.items()}
+        objs["flce_loss"] = lambda: (adv * -fl(x, w, t, group=group, reduction="none", temperature=temp)).sum()
+        objs["flce_mean"] = lambda: fl(x, w, t, group=group, temperature=temp)
+        shape_rows = []
+        for iname in live:
+            def fb():
+                x.grad = w.grad = None
+                objs[iname]().backward()
+
+            nan = float("nan")
+            row = dict(shape=name, data=mode, impl=iname, P=p, N=args.n, T=temp, fwd_bwd_ms=nan, ratio=nan, mem_gib=nan,
+                       note=notes.get(iname, ""))
+            try:
+                row["fwd_bwd_ms"] = timed(fb, args.reps, dev, group)
+                if dev.type == "cuda":
+                    row["mem_gib"] = _max_over_ranks(peak_gib(fb, x, w), dev, group)
+            except torch.OutOfMemoryError:
+                row["note"] = "OOM"
+            except Exception as ex:  # noqa: BLE001
+                say(f"{name}/{mode}/{iname} failed: {type(ex).__name__}: {str(ex)[:300]}")
+                continue
+            finally:
+                x.grad = w.grad = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            shape_rows.append({**row, **dcols})
+        anchor = [r["fwd_bwd_ms"] for r in shape_rows if r["impl"] == "flce_loss"]
+        for r in shape_rows:
+            r["ratio"] = r["fwd_bwd_ms"] / anchor[0] if anchor else float("nan")
+        rows += shape_rows
+        x = w = t = adv = objs = None  # free this shape before the next (the closures see the None)
+    if rank == 0 and rows:
+        fname = f"bench_rl_tp{p}" + ("" if args.n == 8192 or args.cpu_smoke else f"_n{args.n}") + csv_suffix(args.data)
+        if args.cpu_smoke and args.out:  # not into benchmarks/results
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            with open(Path(args.out) / f"{fname}_smoke.csv", "w", newline="") as f:
+                wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+                wr.writeheader()
+                wr.writerows(rows)
+        elif not args.cpu_smoke:
+            write_csv(rows, f"{fname}.csv", [args.out] if args.out else [])
+        devname = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+        print(f"\nTP={p} {devname} bf16 N={args.n} T={temp} beta={beta}  (obj = (adv*logp).sum() + beta*entropy.sum())")
+        print(f"{'shape':8} {'data':9} {'impl':10} {'fwd+bwd ms':>10} {'x flce_loss':>11} {'peak GiB/rank':>14}  note")
+        for r in rows:
+            print(f"{r['shape']:8} {r['data']:9} {r['impl']:10} {r['fwd_bwd_ms']:10.2f} {r['ratio']:11.3f}"
+                  f" {r['mem_gib']:14.2f}  {r['note']}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

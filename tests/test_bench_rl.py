@@ -1,0 +1,79 @@
+"""benchmarks/bench_rl.py (issue #16, the RL head) without a GPU: its arguments, the --cpu-smoke path on one
+process and on 2 gloo ranks (the correctness check runs first in each, so the Megatron-style torch row is checked
+against the TP=1 formula), and that the check rejects a wrong implementation. The flce_rl rows need
+flce_dist.logprobs_and_entropy and skip (with that reason) in a tree without it."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flce_dist
+from tests._checks import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+bench_rl = pytest.importorskip("bench_rl")
+
+HAS_RL = hasattr(flce_dist, "logprobs_and_entropy")
+NO_RL = "flce_dist.logprobs_and_entropy does not exist in this tree yet (issue #16)"
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_arguments():
+    a = bench_rl.parse_args(["--device", "cpu"])
+    assert a.shapes == "llama3,qwen3,gemma" and a.n == 8192 and a.reps == 10 and a.data == ["random", "realistic"]
+    assert a.temperature == 0.7 and a.beta == 0.01 and a.impls.split(",") == list(bench_rl.IMPLS)
+    a = bench_rl.parse_args(["--cpu-smoke", "--data", "realistic"])
+    assert a.device == "cpu" and a.shapes == "tiny" and a.n == 64 and a.data == ["realistic"]
+    for bad in (["--impls", "flce,nope"], ["--shapes", "gpt2"], ["--data", "uniform"]):
+        with pytest.raises(SystemExit):
+            bench_rl.parse_args(["--device", "cpu", *bad])
+
+
+def test_cpu_smoke_torch_and_loss_rows(tmp_path):
+    rows = bench_rl.main(["--cpu-smoke", "--impls", "flce_loss,flce_mean,torch", "--out", str(tmp_path)])
+    assert [(r["data"], r["impl"]) for r in rows] == [(d, i) for d in ("random", "realistic")
+                                                      for i in ("flce_loss", "flce_mean", "torch")]
+    assert all(r["fwd_bwd_ms"] > 0 for r in rows)
+    assert all(r["ratio"] == 1.0 for r in rows if r["impl"] == "flce_loss")
+    saved = _rows(tmp_path / "bench_rl_tp1_smoke.csv")
+    assert len(saved) == 6 and {"d_loss", "note", "mem_gib", "ratio"} <= set(saved[0])
+
+
+@pytest.mark.skipif(not HAS_RL, reason=NO_RL)
+def test_cpu_smoke_flce_rl(tmp_path):
+    rows = bench_rl.main(["--cpu-smoke", "--data", "realistic", "--impls", "flce_rl,flce_loss,torch"])
+    assert [r["impl"] for r in rows] == ["flce_rl", "flce_loss", "torch"]  # the check passed, then all were timed
+
+
+def test_check_rejects_a_wrong_implementation(monkeypatch):
+    wrong = lambda x, w, t, temp, group, start: bench_rl.torch_rl(x, w, t, temp * 1.01)  # noqa: E731
+    monkeypatch.setattr(bench_rl, "flce_rl_fn", lambda: (wrong, "wrong temperature"))
+    with pytest.raises(AssertionError, match="flce_rl differs"):
+        bench_rl.main(["--cpu-smoke", "--data", "random", "--impls", "flce_rl"])
+
+
+@pytest.mark.dist
+def test_cpu_smoke_two_ranks(tmp_path):
+    impls = "flce_rl,flce_loss,torch" if HAS_RL else "flce_loss,torch"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "benchmarks" / "bench_rl.py"), "--cpu-smoke", "--impls", impls,
+           "--out", str(tmp_path)]
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "check torch" in out and ("check flce_rl" in out) == HAS_RL
+    rows = _rows(tmp_path / "bench_rl_tp2_smoke.csv")
+    assert {r["impl"] for r in rows} == set(impls.split(",")) and {r["P"] for r in rows} == {"2"}
+    assert all(r["note"] == "Megatron fp32 shard logits" for r in rows if r["impl"] == "torch")

@@ -98,10 +98,11 @@ def _grad_kw(p: FLCEParams) -> dict:
 
 
 class _Guard:
-    """The call's cross-rank guard (``distributed/guard.py``): built once per call, sent with every
-    statistics all-gather; a failed verdict makes that chunk's lse NaN (so the loss and all gradients
-    are NaN on every rank) and, where a host sync is free (CPU) or already paid (``check_finite``),
-    raises the same ValueError on every rank at the first all-gather."""
+    """The call's cross-rank guard (``distributed/guard.py``): built once per call and sent with its
+    first statistics all-gather; a failed verdict (kept on the device for the fused strategy's later
+    chunks) makes every chunk's lse NaN (so the loss and all gradients are NaN on every rank) and,
+    where a host sync is free (CPU) or already paid (``check_finite``), raises the same ValueError on
+    every rank at that first all-gather."""
 
     def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
                  group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool) -> None:
@@ -110,15 +111,18 @@ class _Guard:
             fields = (p.options.signature(), p.settings.astuple(), has_bias, needs_grad)
             self.words = call_guard(x, tgt, bad, p.vocab_size, rows, fields)
         self.raise_ok = x.device.type == "cpu" or p.check_finite
-        self.group, self.checked = group, False
+        self.group, self.ok = group, None
 
     def combine(self, local: torch.Tensor) -> torch.Tensor:
-        st, guards = combine_stats(local, self.group, self.words)
+        first = self.ok is None
+        st, guards = combine_stats(local, self.group, self.words if first else None)
         if guards is not None:
-            if self.raise_ok and not self.checked:
+            if self.raise_ok:
                 raise_if_failed(guards)
-            self.checked = True
-            st[:, 0] = torch.where(verdict(guards), st[:, 0], torch.full_like(st[:, 0], float("nan")))
+            # 0 where every rank agrees, else NaN: one add per chunk poisons the lse
+            self.ok = torch.where(verdict(guards), 0.0, float("nan")).to(st.dtype)
+        if self.ok is not None:
+            st[:, 0] += self.ok
         return st
 
 

@@ -34,7 +34,8 @@ bf16 inputs, target = the data mode's. Rows (``--impls``):
 Collectives per call at TP=2 (N tokens, H hidden):
   flce_loss, flce_mean  fwd one all-gather of [N, 4] float32 stats (flce_mean: one per token chunk, same bytes);
                         bwd one all-reduce of dX ([N, H] bf16)
-  flce_rl               as flce_loss, plus what the entropy adds (see fused_linear_cross_entropy's docstring)
+  flce_rl               fwd one all-gather of [N, 5] float32 stats (the entropy: 4 bytes per token and rank more,
+                        no extra collective); bwd one all-reduce of dX (one pass for both gradients)
   liger                 fallback: per 512-token chunk an all-reduce MAX [512] + all-reduce SUM [3, 512] float32 (2N/512
                         calls), bwd one dX all-reduce; native: NVSHMEM reductions inside the kernels
   torch                 fwd all-reduce MAX [N] + all-reduce SUM [3, N] float32; bwd one all-reduce of dX

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests dtensor ab tpab tune tunestore tunecls sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -51,6 +51,8 @@ for w in ${*:-tests bench}; do
              python3 benchmarks/scaling.py "$OUT" --out "$OUT" 2>&1 | tail -30 ;;
     tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error" | tail -20 ;;
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
+    rl) timeout 480 python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40} ;;
+    tprl) timeout 480 torchrun --nproc_per_node="$ngpu" benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/bench_rl_tp.log" | tail -${RL_TAIL:-40} ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;
   esac
 done

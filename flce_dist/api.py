@@ -247,10 +247,14 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """Per-token log-probabilities of ``target`` and entropies of the policy, both differentiable:
     the RL / post-training head (PPO, GRPO: ``logp`` in the ratio, ``entropy`` as a bonus).
 
-    ``logp[n] = log softmax(y_n)[target_n]`` and ``entropy[n] = -sum_v p_nv log p_nv`` with
-    ``y = transform(hidden @ weight.T (+ bias))`` (``temperature``, optional ``softcap``), over the
-    global vocabulary (with ``group``: vocab-parallel, no gather of the vocabulary or of logits);
+    ``logp[n] = log softmax(y_n)[target_n]`` and ``entropy[n] = -sum_v p_nv log p_nv`` over the
+    global vocabulary (with ``group``: vocab-parallel, no gather of the vocabulary or of logits),
     both float32, shaped like ``target``, 0 at ``ignore_index`` targets (no gradient there).
+    ``y = z / temperature`` with ``z`` the model's final logits ``hidden @ weight.T (+ bias)``, or
+    ``softcap * tanh(. / softcap)`` of them with ``softcap``: ``temperature`` is the SAMPLING
+    temperature, applied after the softcap as a sampler does (``fused_linear_cross_entropy``'s
+    ``temperature`` divides before it; ``softcap(z) / T`` is its ``temperature=T, softcap=c / T``,
+    which is what this function passes).
 
     One call is :func:`fused_linear_cross_entropy` with ``reduction="none", return_entropy=True``
     (``logp = -loss``): forward one matmul and one ``[N, 5]`` statistics all-gather; backward one
@@ -267,6 +271,9 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if refused:
         raise TypeError(f"logprobs_and_entropy: {refused} cannot be set here (log-probabilities are per token, "
                         "without label smoothing or z-loss); call fused_linear_cross_entropy for the loss")
-    nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, reduction="none",
-                                              return_entropy=True, **kwargs)
+    softcap = kwargs.pop("softcap", None)
+    if softcap is not None and isinstance(temperature, numbers.Real) and temperature > 0:
+        softcap = softcap / temperature  # softcap(z) / T == (c / T) * tanh((z / T) / (c / T))
+    nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, softcap=softcap,
+                                              reduction="none", return_entropy=True, **kwargs)
     return -nll, entropy

@@ -59,9 +59,10 @@ def reference_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, t
                                    bias: torch.Tensor | None = None, ignore_index: int = -100,
                                    softcap: float | None = None, temperature: float = 1.0):
     """``(logp, entropy)`` per token from the full logits (what :func:`flce_dist.logprobs_and_entropy`
-    promises): ``log softmax(y)[target]`` and ``-sum_v p_v log p_v``, both 0 at ``ignore_index``."""
+    promises): ``log softmax(y)[target]`` and ``-sum_v p_v log p_v``, both 0 at ``ignore_index``, with
+    ``y = softcap(z) / temperature`` (a sampling temperature: after the softcap)."""
     h = hidden.reshape(-1, hidden.shape[-1])
-    logp_all = torch.log_softmax(reference_logits(h, weight, bias, softcap=softcap, temperature=temperature), dim=-1)
+    logp_all = torch.log_softmax(reference_logits(h, weight, bias, softcap=softcap) / temperature, dim=-1)
     t = target.reshape(-1)
     valid = t != ignore_index
     logp = logp_all.gather(1, torch.where(valid, t, torch.zeros_like(t))[:, None])[:, 0]

@@ -170,3 +170,28 @@ def test_torch_compile_fullgraph_matches_eager(reduction):
         outs.append((loss.detach().float(), xs.grad.float(), ws.grad.float()))
     for a, b in zip(*outs):
         assert rel(a, b) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 1024, 4096, 32000), (3, 423, 1000, 10000), (1, 77, 100, 50)])
+@pytest.mark.parametrize("opts", [dict(), dict(temperature=0.7), dict(softcap=30.0, temperature=1.3)],
+                         ids=["plain", "temperature", "softcap+temperature"])
+def test_logprobs_and_entropy_match_float64_reference(dtype, shape, opts):
+    """Issue 16 on the GPU kernels (Helion lse_forward with the entropy partials, chunk_grad_ with the
+    entropy term): log-probs, entropies and the gradients of sum(a * logp) + beta * sum(H)."""
+    from flce_dist import logprobs_and_entropy, reference_logprobs_and_entropy
+
+    x, w, t = _case(*shape, dtype, seed=3)
+    w = w * 4  # a less uniform softmax than h**-0.5 gives
+    a = torch.randn(t.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, ent = logprobs_and_entropy(xs, ws, t, **opts)
+    ((a * logp).sum() + 0.3 * ent.sum()).backward()
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    rl, re_ = reference_logprobs_and_entropy(xr, wr, t, **opts)
+    ((a.double() * rl).sum() + 0.3 * re_.sum()).backward()
+    for out in (logp, ent, xs.grad, ws.grad):
+        assert torch.isfinite(out).all()
+    tl, tg = TOL[dtype]
+    assert rel(logp, rl) <= tl and rel(ent, re_) <= tl
+    assert rel(xs.grad, xr.grad) <= tg and rel(ws.grad, wr.grad) <= 2 * tg

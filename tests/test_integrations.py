@@ -134,6 +134,39 @@ def test_transformers_apply_matches_unpatched(model_type, tied, num_items):
         assert torch.equal(fused(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+@pytest.mark.parametrize("applied", [False, True], ids=["plain", "applied"])
+def test_transformers_logprobs_and_entropy(model_type, applied):
+    """integrations.transformers.logprobs_and_entropy == log_softmax / entropy of the model's own
+    logits (its softcap, then the temperature), next-token shift and attention mask, gradients
+    into the body and the head included."""
+    pytest.importorskip("transformers")
+    from flce_dist import settings
+    from flce_dist.integrations.transformers import apply, logprobs_and_entropy
+
+    ref = tiny_model(model_type, tied=False)
+    fused = apply(copy.deepcopy(ref)) if applied else copy.deepcopy(ref)
+    ids, _ = batch()
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0  # right padding
+    with settings.override(blocks=SMALL_BLOCKS):
+        logp, ent = logprobs_and_entropy(fused, ids, attention_mask=mask, temperature=0.8)
+    logits = ref(input_ids=ids, attention_mask=mask).logits.double() / 0.8
+    lsm = torch.log_softmax(logits, -1)[:, :-1]
+    keep = mask[:, 1:].bool()
+    want_lp = torch.where(keep, lsm.gather(-1, ids[:, 1:, None])[..., 0], 0.0)
+    want_ent = torch.where(keep, -(lsm.exp() * lsm).sum(-1), 0.0)
+    assert logp.shape == ent.shape == ids.shape and float(logp[:, -1].abs().sum() + ent[:, -1].abs().sum()) == 0
+    assert rel(logp[:, :-1], want_lp) <= 1e-5 and rel(ent[:, :-1], want_ent) <= 1e-5
+    adv = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
+    ((adv[:, :-1] * want_lp).sum() + 0.5 * want_ent.sum()).backward()
+    with settings.override(blocks=SMALL_BLOCKS):
+        ((adv * logp).sum() + 0.5 * ent.sum()).backward()
+    for name in ("lm_head.weight", BODY_PARAM):
+        a, b = dict(fused.named_parameters())[name].grad, dict(ref.named_parameters())[name].grad
+        assert rel(a, b) <= 1e-5, (name, rel(a, b))
+
+
 def test_transformers_apply_options_and_kwargs():
     pytest.importorskip("transformers")
     from flce_dist.integrations.transformers import apply, unapply
@@ -257,6 +290,16 @@ def _worker_hf(rank: int, world: int, group) -> int:
         _check(rel(g["head"], head_ref) <= 1e-5, f"{tag} head grad {rel(g['head'], head_ref):.2e}", failures)
         _check(rel(g["embed"], g_ref["embed"]) <= 1e-5, f"{tag} embed grad", failures)
         _check(rel(g["body"], g_ref["body"]) <= 1e-5, f"{tag} body grad {rel(g['body'], g_ref['body']):.2e}", failures)
+        if not tied:  # per-token log-probs and entropy through the vocab-sharded head
+            from flce_dist.integrations.transformers import logprobs_and_entropy
+
+            count += 2
+            with settings.override(blocks=SMALL_BLOCKS):
+                lp, ent = logprobs_and_entropy(tp, ids, temperature=0.7)
+            with torch.no_grad():
+                lsm = torch.log_softmax(ref(input_ids=ids).logits.double() / 0.7, -1)[:, :-1]
+            _check(rel(lp[:, :-1], lsm.gather(-1, ids[:, 1:, None])[..., 0]) <= 1e-5, f"{tag} TP logprobs", failures)
+            _check(rel(ent[:, :-1], -(lsm.exp() * lsm).sum(-1)) <= 1e-5, f"{tag} TP entropy", failures)
         with torch.no_grad():  # no labels: the sharded head's logits are gathered to the full vocabulary
             count += 1
             full, full_ref = tp(input_ids=ids).logits, ref(input_ids=ids).logits

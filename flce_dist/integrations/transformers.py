@@ -33,6 +33,10 @@ lm_head weight and tensor parallelism (resolved at every call, so it follows mod
   (see :mod:`flce_dist.integrations.deepspeed`);
 - a :class:`flce_dist.VocabParallelLMHead`: its shard and group.
 
+RL / post-training: :func:`logprobs_and_entropy(model, input_ids, temperature=...)
+<logprobs_and_entropy>` returns the per-token log-probabilities of the next tokens and the policy's
+entropies, both differentiable, through the same lm_head shard and logit transform (no logits).
+
 Call ``apply`` before building the optimizer: with a ``group`` an untied lm_head gets a new (shard)
 Parameter. Not supported: ``logits_to_keep != 0`` together with labels, and the MoE router aux loss
 (``output_router_logits=True`` raises). ``torch.save(model)`` of a patched model does not pickle
@@ -60,7 +64,7 @@ from ..modules import VocabParallelLMHead
 from ..options import LossOptions
 from .heads import HeadShard, head_shard, register_head_shard
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "apply", "is_applied", "unapply"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "apply", "is_applied", "logprobs_and_entropy", "unapply"]
 
 # config.model_type -> the transform the model's forward applies to ``lm_head(hidden)`` before the loss
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -327,6 +331,52 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
     model.forward = types.MethodType(forward, model)
     _install_head_forward(head)
     return model
+
+
+_LOGPROB_OPTIONS = ("ignore_index", "softcap", "deterministic")  # what apply()'s options may add to log-probs
+
+
+def logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+                         attention_mask: torch.Tensor | None = None, temperature: float = 1.0,
+                         ignore_index: int = -100, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position ``(logp, entropy)`` of a supported ``*ForCausalLM`` (``apply`` called or not),
+    float32 ``[B, T]``, both differentiable, without the ``[B, T, V]`` logits:
+
+    - ``logp[b, t] = log p(next[b, t] | input_ids[b, :t+1])`` with ``next = labels[:, 1:]`` (the
+      causal shift; ``labels`` defaults to ``input_ids``), and ``entropy[b, t]`` the entropy of
+      that next-token distribution; 0 (and no gradient) at the last position, where the shifted
+      target is ``ignore_index``, and where ``attention_mask`` is 0 for the next token;
+    - the model's logit transform (Gemma2 softcap, Granite/Cohere scaling) applies, then
+      ``temperature`` (a sampling temperature, as in PPO/GRPO rollouts);
+    - a vocab-sharded head (``apply(model, group=...)``, DeepSpeed AutoTP, ``VocabParallelLMHead``)
+      is used in place: vocab-parallel, one statistics all-gather forward, one dX all-reduce backward.
+
+    ``model_kwargs`` go to the base model (``position_ids``, ...)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
+                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    base = getattr(model, model.base_model_prefix)
+    outputs = base(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+    hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
+    target = input_ids if labels is None else labels
+    target = nn.functional.pad(target, (0, 1), value=ignore_index)[..., 1:]
+    if attention_mask is not None:
+        keep = nn.functional.pad(attention_mask, (0, 1), value=0)[..., 1:].bool()
+        target = torch.where(keep, target, torch.full_like(target, ignore_index))
+    state = model.__dict__.get("_flce_state")
+    applied = {k: v for k, v in (state.options if state is not None else {}).items() if k in _LOGPROB_OPTIONS}
+    options = _transform_options(model, SUPPORTED_MODEL_TYPES[model_type], applied)
+    # the sampling temperature divides the final logits, after a softcap: softcap(z) / T is the
+    # loss's temperature T with softcap c / T
+    options["temperature"] *= temperature
+    if options.get("softcap"):
+        options["softcap"] /= temperature
+    options.update(ignore_index=ignore_index, reduction="none", return_entropy=True)
+    head = model.get_output_embeddings()
+    _install_head_forward(head)
+    nll, entropy = head(hidden, flce_target=target.to(hidden.device).contiguous(), flce_options=options)
+    return -nll, entropy
 
 
 def unapply(model: nn.Module) -> nn.Module:

@@ -49,10 +49,10 @@ for w in ${*:-tests bench}; do
                timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node=$p benchmarks/bench_tp.py --n $n --impls ${SCALING_IMPLS:-flce,megatron} \
                  --out "$OUT" 2>&1 | flt | grep -v "^W1\|^I1" | tail -9; done; done | tee "$OUT/scaling_runs.log"
              python3 benchmarks/scaling.py "$OUT" --out "$OUT" 2>&1 | tail -30 ;;
-    tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error" | tail -20 ;;
+    tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) ${TP_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error\|rank 0\] case" | tail -20 ;;
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
-    rl) timeout 480 python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40} ;;
-    tprl) timeout 480 torchrun --nproc_per_node="$ngpu" benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/bench_rl_tp.log" | tail -${RL_TAIL:-40} ;;
+    rl) timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40} ;;
+    tprl) timeout ${RL_TIMEOUT:-480} torchrun --nproc_per_node="$ngpu" benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/bench_rl_tp.log" | tail -${RL_TAIL:-40} ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;
   esac
 done

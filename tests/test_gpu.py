@@ -195,4 +195,6 @@ def test_logprobs_and_entropy_match_float64_reference(dtype, shape, opts):
     tl, tg = TOL[dtype]
     # bf16: the logits are rounded to bf16 (as torch, Liger and CCE have them), ~1% of an entropy
     assert rel(logp, rl) <= tl and rel(ent, re_) <= (3 * tl if dtype == torch.bfloat16 else tl)
-    assert rel(xs.grad, xr.grad) <= tg and rel(ws.grad, wr.grad) <= 2 * tg
+    # the larger logits (w * 4, T = 0.7) make bf16's logit rounding ~1.2% of dX (measured on the H200)
+    gtol = 2 * tg if dtype == torch.bfloat16 else tg
+    assert rel(xs.grad, xr.grad) <= gtol and rel(ws.grad, wr.grad) <= 2 * tg

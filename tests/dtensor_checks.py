@@ -47,6 +47,17 @@ def _weight(w: torch.Tensor, mesh, tp_dim: int, split: str, dev, dtype) -> DTens
     return dt, (s, s + n)
 
 
+def _token_layout(mesh, tp_dim: int, t: int, hidden_kind: str):
+    """hidden's placements and this rank's token rows: replicated, or ("seq") Shard(1) on the tp dim
+    with DTensor's torch.chunk split of the t positions."""
+    lead = [Replicate()] * mesh.ndim
+    if hidden_kind != "seq":
+        return lead, slice(0, t)
+    lead[tp_dim] = Shard(1)
+    ts, tn = chunk_span(t, mesh.size(tp_dim), mesh.get_local_rank(tp_dim))
+    return lead, slice(ts, ts + tn)
+
+
 def case(ck, dev, mesh, tp_dim, *, b=2, t=7, h=40, v=53, split="chunk", hidden_kind="plain", bias=False,
          reduction="mean", target_kind="global", tied=False, dtype=torch.float32, seed=0, **opts):
     p, r = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
@@ -71,12 +82,7 @@ def case(ck, dev, mesh, tp_dim, *, b=2, t=7, h=40, v=53, split="chunk", hidden_k
     if bias:
         bd, _ = _weight(bb, mesh, tp_dim, split, dev, dtype)
         bd.requires_grad_()
-    lead = [Replicate()] * mesh.ndim
-    rows = slice(0, t)
-    if hidden_kind == "seq":
-        lead[tp_dim] = Shard(1)
-        ts, tn = chunk_span(t, p, r)
-        rows = slice(ts, ts + tn)
+    lead, rows = _token_layout(mesh, tp_dim, t, hidden_kind)
     hx = x.to(dev, dtype).clone().requires_grad_()
     if tied:  # hidden = tanh(embedding(ids) + x) where the embedding table IS the lm_head weight
         from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
@@ -153,12 +159,7 @@ def entropy_case(ck, dev, mesh, tp_dim, *, b=2, t=6, h=24, v=53, hidden_kind="re
     adv = torch.randn(b, t, generator=g, dtype=torch.float64)
     wd, (s, e) = _weight(w, mesh, tp_dim, "chunk", dev, torch.float32)
     wd.requires_grad_()
-    lead = [Replicate()] * mesh.ndim
-    rows = slice(0, t)
-    if hidden_kind == "seq":
-        lead[tp_dim] = Shard(1)
-        ts, tn = chunk_span(t, p, r)
-        rows = slice(ts, ts + tn)
+    lead, rows = _token_layout(mesh, tp_dim, t, hidden_kind)
     hx = x.to(dev, torch.float32).clone().requires_grad_()
     hin = DTensor.from_local(hx[:, rows], mesh, lead, run_check=False, shape=torch.Size((b, t, h)), stride=(t * h, h, 1))
     logp, ent = logprobs_and_entropy(hin, wd, tgt.to(dev), temperature=0.8, softcap=4.0)

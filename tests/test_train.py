@@ -277,6 +277,9 @@ def test_config_overrides_and_errors():
         _load("parallel.sp=1")
     with pytest.raises(ValueError, match=r"model\.head must be one of"):
         _load("head=jax")
+    with pytest.raises(ValueError, match=r"training\.optimizer_impl must be one of"):
+        _load('optimizer_impl="apex"')
+    assert _load('optimizer_impl="fused"').training.optimizer_impl == "fused"
     with pytest.raises(ValueError, match=r"batch_size=4 must be divisible by parallel\.dp=3"):
         _load("parallel.dp=3")
     with pytest.raises(ValueError, match=r"batch_size must be >= 1"):

@@ -75,6 +75,9 @@ class TrainingConfig:
     # resuming with another steps/warmup_steps/lr/min_lr_ratio than the checkpoint's: "check" fails naming
     # the change, "checkpoint" keeps the stored schedule, "config" takes this run's from the next step on
     resume_schedule: str = "check"
+    # AdamW's implementation: "default" (torch's choice), "foreach" (multi-tensor kernels per parameter
+    # group) or "fused" (one fused kernel per group, as torchtitan configures it); the same math
+    optimizer_impl: str = "default"
 
 
 @dataclass
@@ -130,6 +133,7 @@ class Config:
 
 _CHOICES = {("model", "head"): ("flce", "torch"), ("training", "dtype"): ("fp32", "bf16"),
             ("training", "resume_schedule"): ("check", "checkpoint", "config"),
+            ("training", "optimizer_impl"): ("default", "foreach", "fused"),
             ("data", "tokenizer"): ("bpe", "byte"), ("job", "device"): ("auto", "cpu", "cuda"),
             ("job", "progress"): ("auto", "on", "off")}
 

@@ -113,7 +113,8 @@ def make_optimizer(model: torch.nn.Module, t: TrainingConfig) -> torch.optim.Opt
     for _, p in model.named_parameters():
         groups.setdefault((p.dim() >= 2, _kind(p)), []).append(p)
     pg = [{"params": ps, "weight_decay": t.weight_decay if decay else 0.0} for (decay, _), ps in sorted(groups.items())]
-    return torch.optim.AdamW(pg, lr=t.lr, betas=tuple(t.betas), eps=1e-8)
+    impl = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[t.optimizer_impl]
+    return torch.optim.AdamW(pg, lr=t.lr, betas=tuple(t.betas), eps=1e-8, **impl)
 
 
 def lr_at(step: int, t: TrainingConfig) -> float:

@@ -11,7 +11,9 @@
 # A run is DPxTP:HEAD (world = DP*TP GPUs, sp on when TP > 1). Environment: CONFIG, STEPS (30),
 # BATCHES (global batch sizes, default the config's 8), OUT (logs + results.tsv; default
 # benchmarks/results/train_<date>), RUN_TIMEOUT (seconds per run, 420), TORCHRUN, EXTRA (more
-# --set items). Each run gets its own out_dir and --overwrite.
+# --set items), REPEATS (runs of each layout/head/batch, default 1: the table gets one row per repeat,
+# tagged _r<k>, so a noisy small-batch comparison can be read as a spread). Each run gets its own
+# out_dir and --overwrite.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/train/llama_1b_gpu.toml}
@@ -29,7 +31,8 @@ for run in $RUNS; do
   layout=${run%%:*}; head=${run##*:}; dp=${layout%%x*}; tp=${layout##*x}; n=$((dp * tp))
   sp=$([ "$tp" -gt 1 ] && echo true || echo false)
   for b in $BATCHES; do
-    tag="dp${dp}_tp${tp}_${head}_b${b}"
+   for rep in $(seq "${REPEATS:-1}"); do
+    tag="dp${dp}_tp${tp}_${head}_b${b}$([ "${REPEATS:-1}" -gt 1 ] && echo "_r$rep")"
     timeout "$RUN_TIMEOUT" "$TORCHRUN" --standalone --nproc_per_node="$n" launch/train.py --config "$CONFIG" --head "$head" \
       --overwrite --set parallel.dp="$dp" --set parallel.tp="$tp" --set parallel.sp="$sp" --set training.steps="$STEPS" \
       --set training.batch_size="$b" --set job.out_dir="\"runs/bench/$tag\"" ${EXTRA:-} > "$OUT/$tag.log" 2>&1
@@ -37,7 +40,7 @@ for run in $RUNS; do
     if [ $rc -ne 0 ]; then
       why=$(grep -o "OutOfMemoryError\|CUDA out of memory" "$OUT/$tag.log" | head -1)
       printf "%s\t%s\t%s\t%s\tFAILED rc=%s %s\n" "$dp" "$tp" "$head" "$b" "$rc" "$why" | tee -a "$OUT/results.tsv"
-      break  # larger batches of this run would not fit either
+      break 2  # larger batches of this run would not fit either
     fi
     python3 - "runs/bench/$tag/losses.json" "$dp" "$tp" "$head" "$b" >> "$OUT/results.tsv" <<'PY'
 import json, sys
@@ -45,6 +48,7 @@ r = json.load(open(sys.argv[1])); seq = r["config"]["data"]["seq_len"]
 print("\t".join([*sys.argv[2:6], str(int(sys.argv[5]) * seq), f"{r['tokens_per_s_steady']:.0f}", f"{r['peak_gib_per_rank']:.2f}", f"{r['losses'][-1]:.4f}"]))
 PY
     tail -1 "$OUT/results.tsv"
+   done
   done
 done
 echo "== $OUT/results.tsv"

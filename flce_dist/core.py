@@ -98,24 +98,37 @@ def _grad_kw(p: FLCEParams) -> dict:
 
 
 class _Guard:
-    """The call's cross-rank guard (``distributed/guard.py``): built once per call and sent with its
-    first statistics all-gather; a failed verdict (kept on the device for the fused strategy's later
-    chunks) makes every chunk's lse NaN (so the loss and all gradients are NaN on every rank) and,
-    where a host sync is free (CPU) or already paid (``check_finite``), raises the same ValueError on
-    every rank at that first all-gather."""
+    """The call's cross-rank guard (``distributed/guard.py``), sent with the call's first statistics
+    all-gather; a failed verdict (kept on the device for the fused strategy's later chunks) makes
+    every chunk's lse NaN (so the loss and all gradients are NaN on every rank) and, where a host sync
+    is free (CPU) or already paid (``check_finite``), raises the same ValueError on every rank at that
+    first all-gather. Its words are built at that first all-gather, after the first chunk's matmul
+    kernel is enqueued, so their ~10 small launches and the call digest overlap it on the GPU
+    instead of delaying it. Also owns the call's bad-target mask (``bad``, built on first use)."""
 
-    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
+    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, p: FLCEParams,
                  group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool) -> None:
-        self.words = None  # a single rank has no peers to agree with: nothing to build
-        if group_size(group) > 1:
-            fields = (p.options.signature(), p.settings.astuple(), has_bias, needs_grad)
-            self.words = call_guard(x, tgt, bad, p.vocab_size, rows, fields)
+        self.x, self.tgt, self.valid, self.p, self.rows = x, tgt, valid, p, rows
+        self.has_bias, self.needs_grad = has_bias, needs_grad
         self.raise_ok = x.device.type == "cpu" or p.check_finite
-        self.group, self.ok = group, None
+        self.group, self.ok, self._bad = group, None, None
+
+    @property
+    def bad(self) -> torch.Tensor:
+        """Targets outside ``[0, V)`` that are not ``ignore_index`` (their loss becomes NaN)."""
+        if self._bad is None:
+            self._bad = self.valid & ((self.tgt < 0) | (self.tgt >= self.p.vocab_size))
+        return self._bad
+
+    def _words(self) -> torch.Tensor | None:
+        if group_size(self.group) == 1:  # a single rank has no peers to agree with: nothing to build
+            return None
+        fields = (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
+        return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, fields)
 
     def combine(self, local: torch.Tensor) -> torch.Tensor:
         first = self.ok is None
-        st, guards = combine_stats(local, self.group, self.words if first else None)
+        st, guards = combine_stats(local, self.group, self._words() if first else None)
         if guards is not None:
             if self.raise_ok:
                 raise_if_failed(guards)
@@ -250,14 +263,10 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     n_in = hidden.shape[0]
     tl = local_targets(tgt, p, weight.shape[0])
     valid = tgt != p.ignore_index
-    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device assert,
-    # no host sync; the API raises instead where the check is free, on CPU without a group, and the
-    # guard on every rank of a group).
-    bad = valid & ((tgt < 0) | (tgt >= p.vocab_size))
     pre = None
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
     rows = fused_plan(x.shape[0], x, p, group) if fused else 0
-    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, needs_grad)
+    guard = _Guard(x, tgt, valid, p, group, rows, bias is not None, needs_grad)
     if fused:
         g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
         stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard)
@@ -267,7 +276,10 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     else:
         stats = forward_stats(x, weight, bias, tl, p, guard)
     loss_rows = token_loss(stats, valid, p)
-    loss_rows = torch.where(bad, torch.full_like(loss_rows, float("nan")), loss_rows)
+    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device assert,
+    # no host sync; the API raises instead where the check is free, on CPU without a group, and the
+    # guard on every rank of a group).
+    loss_rows = torch.where(guard.bad, torch.full_like(loss_rows, float("nan")), loss_rows)
     rank_slice = slice(0, n_in)
     if sp:
         r = dist.get_rank(group)

@@ -97,6 +97,12 @@ def _grad_kw(p: FLCEParams) -> dict:
                 one_minus_eps=1.0 - p.label_smoothing, two_zl=2.0 * p.z_loss, softcap=p.cap, settings=p.settings)
 
 
+def can_raise(x: torch.Tensor, p: FLCEParams) -> bool:
+    """Whether a failed guard raises (a host sync: free on CPU tensors, already paid with
+    ``check_finite``) rather than only poisoning the loss with NaN (CUDA)."""
+    return x.device.type == "cpu" or p.check_finite
+
+
 class _Guard:
     """The call's cross-rank guard (``distributed/guard.py``), sent with the call's first statistics
     all-gather; a failed verdict (kept on the device for the fused strategy's later chunks) makes
@@ -110,7 +116,7 @@ class _Guard:
                  group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool) -> None:
         self.x, self.tgt, self.valid, self.p, self.rows = x, tgt, valid, p, rows
         self.has_bias, self.needs_grad = has_bias, needs_grad
-        self.raise_ok = x.device.type == "cpu" or p.check_finite
+        self.raise_ok = can_raise(x, p)
         self.group, self.ok, self._bad = group, None, None
 
     @property

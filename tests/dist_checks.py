@@ -231,7 +231,7 @@ def module_and_errors(ck, dev, group):
         ck.true(f"disagreeing options error names the ranks ({exc})", f"ranks [{p - 1}]" in str(exc))
 
 
-def guards(ck, dev, group):
+def guards(ck, dev, group, raises):
     """The per-call cross-rank guard (flce_dist/distributed/guard.py): after an identical first call
     (the shard check is cached), a rank that changes an option, passes other targets or hidden states,
     or (sequence parallel) a target outside [0, V) in its slice: on CPU every rank raises the same
@@ -245,7 +245,6 @@ def guards(ck, dev, group):
     t = torch.randint(0, v, (n,), generator=g).to(dev)
     s, e = vocab_shard(v, r, p)
     ws = w[s:e].clone()
-    raises = dev.type == "cpu"
 
     def call(xx, tt, sp=False, **opts):
         rows = slice(r * (n // p), (r + 1) * (n // p)) if sp else slice(0, n)
@@ -324,6 +323,9 @@ def main():
     ap.add_argument("--backend", default="gloo")
     ap.add_argument("--big", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--poison", action="store_true",
+                    help="CPU: take the GPU's no-sync guard path (a failed guard poisons with NaN; raises only "
+                         "with check_finite), so gloo covers it too")
     ap.add_argument("--only", choices=["all", "entropy"], default="all",
                     help="entropy: only the log-prob/entropy cases and the guard cases")
     args = ap.parse_args()
@@ -342,6 +344,11 @@ def main():
         dtypes = [torch.float32]
     ck = Checker(r)
     everything = args.only == "all"
+    poison = args.poison or args.backend == "nccl"
+    if args.poison:
+        import flce_dist.core as core
+
+        core.can_raise = lambda x, p: p.check_finite
     try:
         with ctx:
             odd_v = 10 * p + 3  # never divisible by P
@@ -399,7 +406,7 @@ def main():
                     determinism(ck, dev, group, dtype)
                 compiled(ck, dev, group, dtypes[0])
                 module_and_errors(ck, dev, group)
-            guards(ck, dev, group)
+            guards(ck, dev, group, raises=not poison)
             if args.big and args.backend == "nccl":
                 big_memory(ck, dev, group)
     except Exception:  # noqa: BLE001

@@ -20,6 +20,17 @@ def test_vocab_parallel_matches_reference(world):
 
 
 @pytest.mark.dist
+def test_guard_poison_path_on_gloo():
+    """The GPU's guard path (no host sync: a failed guard makes every rank's loss NaN; with
+    check_finite every rank raises the same ValueError), taken on gloo ranks, with the
+    log-prob/entropy cases."""
+    rc, out, summary = torchrun("dist_checks.py", 2, "--backend", "gloo", "--only", "entropy", "--poison")
+    assert rc == 0, out[-6000:]
+    assert sorted(int(r) for r, _, _ in summary) == [0, 1] and all(int(f) == 0 for _, _, f in summary), summary
+    assert all(int(n) > 40 for _, n, _ in summary), summary  # 40 without the check_finite cases of this path
+
+
+@pytest.mark.dist
 def test_missing_rank_times_out_instead_of_hanging():
     """A rank that never enters the loss: the others get the group's timeout error (4 s here)."""
     _, out, _ = torchrun("dist_timeout_check.py", 2, timeout=120)

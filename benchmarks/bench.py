@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 
@@ -57,6 +58,9 @@ def _impls():
         return run
 
     impls = {"flce": flce("auto"), "flce_cublas": flce("auto", "cublas"), "flce_recompute": flce("recompute")}
+    if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
+        # the opt-in gradient filter at CCE's default threshold (2^-12 for 16-bit inputs)
+        impls["flce_filter"] = lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
     impls["torch"] = lambda x, w, t: F.cross_entropy((x @ w.T).float(), t)
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -5,6 +5,7 @@
 
 Per shape, each rank holds its vocab shard (uneven split allowed) and the same N tokens:
   flce        flce_dist.fused_linear_cross_entropy(group=TP)
+  flce_filter the same with grad_filter_eps="auto" (the opt-in gradient filter; trees without it skip the row)
   megatron    Megatron-style: shard logits x @ W_r.T in float32, all-reduce max / sum-exp / target
               logit, softmax-grad backward, dX all-reduced (the same model of work, materialised)
   liger_vp    Liger's LigerVocabParallelCrossEntropy on materialised bf16 shard logits
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -107,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--shapes", default="llama3,qwen3,gemma")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--impls", default="flce,megatron,liger_vp,deepspeed")
+    ap.add_argument("--impls", default="flce,flce_filter,megatron,liger_vp,deepspeed")
     bench_data.add_data_args(ap)
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -169,10 +171,12 @@ def main():
             "megatron": lambda: _MegatronVocabParallelCE.apply(_CopyToTP.apply(x, group) @ w.T, t, s, group).mean(),
             "liger_vp": lambda: lg((_CopyToTP.apply(x, group) @ w.T)[:, None, :], t[:, None], tp_group=group).mean(),
         }
+        if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
+            fns["flce_filter"] = lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group, grad_filter_eps="auto")
         if "deepspeed" in impls:
             fns["deepspeed"] = lambda: vocab_parallel_linear_cross_entropy(x, w, t, tp_group=group, vocab_start_index=s,
                                                                            vocab_end_index=e)
-        for iname in impls:
+        for iname in [i for i in impls if i in fns]:  # an older tree (device.sh tpab) may lack a row
             def fb():
                 x.grad = w.grad = None
                 fns[iname]().backward()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
-from .distributed import group_size, resolve_call, resolve_shard
+from .distributed import resolve_call, resolve_shard
 from .distributed.dtensor import is_dtensor, unwrap
 from .options import FLCEParams, LossOptions
 from .settings import Settings, current
@@ -111,6 +111,7 @@ def fused_linear_cross_entropy(
     sequence_parallel: bool = False,
     strategy: str = "auto",
     deterministic: bool = False,
+    grad_filter_eps: float | str | None = None,
     return_lse: bool = False,
     return_token_accuracy: bool = False,
     return_entropy: bool = False,
@@ -167,7 +168,8 @@ def fused_linear_cross_entropy(
     all-gather of the shard sizes and the call's signature checks that every rank makes the same call.
     """
     options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
-                          strategy, deterministic, return_lse, return_token_accuracy, return_entropy, check_finite)
+                          strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy, return_entropy,
+                          check_finite)
     settings = current() if settings is None else settings
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(settings).__name__}")

@@ -181,6 +181,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     helion_logits = p.settings.logits_backend == "helion" and not K.cublas_logits(x)
     # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
+    eps = p.options.filter_eps(x.dtype)
     for i in range(0, n, rows):
         xc, tc = x[i:i + rows], tl[i:i + rows]
         z = zbuf[: xc.shape[0]]
@@ -191,13 +192,21 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             local = K.chunk_stats(z, tc, p.logit_scale, p.cap, p.needs_sum, p.settings)
         st = guard.combine(local)
         stats[i:i + rows] = st
-        K.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
-        torch.mm(z, w, out=dx[i:i + rows])
+        keep = None
+        if eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
+            gc = g[i:i + rows]
+            keep = K.chunk_grad_filtered_(z, tc, st[:, 0].contiguous(), gc, gc.abs(), eps, **kw)
+            K.dx_masked(z, w, keep, dx[i:i + rows], p.settings)
+        else:
+            K.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
+            torch.mm(z, w, out=dx[i:i + rows])
         if not sp and not p.deterministic:
             h = all_reduce_async(dx[i:i + rows], group)
             if h is not None:
                 handles.append(h)
-        if i == 0:
+        if keep is not None:
+            K.dw_masked(z, xc, keep, dw, i > 0, p.settings)
+        elif i == 0:
             torch.mm(z.T, xc, out=dw)
         else:
             dw.addmm_(z.T, xc)
@@ -227,6 +236,10 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     kw = _grad_kw(p)
     handle = None
     out = dx
+    eps = p.options.filter_eps(x.dtype)
+    if eps:  # the gradient filter's row scale: the rows' total gradient weight
+        row_scale = g.abs() if gh is None else g.abs() + gh.abs()
+        part = torch.empty_like(dx)
     if n == 0:
         v = 0
         dw.zero_()
@@ -235,13 +248,21 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     for j in range(0, v, cols):
         wc = w[j:j + cols]
         z = K.logits(x, wc, None if b is None else b[j:j + cols])
-        K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
-        dx += torch.mm(z, wc)
+        keep = None
+        if eps:
+            keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
+            dx += K.dx_masked(z, wc, keep, part, p.settings)
+        else:
+            K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
+            dx += torch.mm(z, wc)
         if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
             out = dx.to(x.dtype)
             if not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
-        torch.mm(z.T, x, out=dw[j:j + cols])
+        if keep is not None:
+            K.dw_masked(z, x, keep, dw[j:j + cols], False, p.settings)
+        else:
+            torch.mm(z.T, x, out=dw[j:j + cols])
         if db is not None:
             db[j:j + cols] = z.sum(0, dtype=db.dtype)
     if v == 0:

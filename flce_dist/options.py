@@ -68,6 +68,14 @@ def _in(lo: float, hi: float | None, *, lo_open: bool = False, hi_open: bool = T
     return check
 
 
+def _filter_eps(name: str, v: Any) -> float | str | None:
+    if v is None or v == "auto":
+        return v
+    if isinstance(v, str):
+        raise ValueError(f"{name} must be None, 'auto' or a number in [0, 1), got {v!r}")
+    return _in(0.0, 1.0)(name, v)
+
+
 def _softcap(name: str, v: Any) -> float | None:
     return None if v is None else _in(0.0, None, lo_open=True)(name, v)
 
@@ -97,6 +105,10 @@ class LossOptions:
     strategy: str = option("auto", _choice("auto", "fused", "recompute"),
                            "'fused' (gradient formed in the forward), 'recompute', or 'auto'")
     deterministic: bool = option(False, _bool, "bitwise reproducible dX sums across ranks (rank-ordered)")
+    grad_filter_eps: float | str | None = option(
+        None, _filter_eps, "opt-in gradient filter: (token x vocab) blocks whose every |dL/dz| is below eps times "
+        "the row's gradient weight are skipped in the dX and dW matmuls; 'auto': 2**-12 for 16-bit inputs (none for "
+        "32/64-bit); None: exact")
     return_lse: bool = option(False, _bool, "also return the global per-token lse", "output")
     return_token_accuracy: bool = option(False, _bool, "also return per-token target == argmax (bool)", "output")
     return_entropy: bool = option(False, _bool, "also return the per-token entropy of the (temperature-scaled, "
@@ -107,6 +119,9 @@ class LossOptions:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
+        if self.grad_filter_eps is not None and self.label_smoothing > 0:
+            raise ValueError("grad_filter_eps cannot be combined with label_smoothing: the smoothing's uniform "
+                             "-eps/V gradient on every logit is below any filter threshold and would be dropped")
 
     @classmethod
     def keywords(cls, *kinds: str) -> tuple[str, ...]:
@@ -140,6 +155,14 @@ class LossOptions:
     @property
     def needs_sum(self) -> bool:
         return self.label_smoothing > 0.0
+
+    def filter_eps(self, dtype: Any) -> float:
+        """The gradient filter's threshold for inputs of ``dtype`` (0.0: no filtering)."""
+        if self.grad_filter_eps is None:
+            return 0.0
+        if self.grad_filter_eps == "auto":
+            return 2.0**-12 if getattr(dtype, "itemsize", 4) == 2 else 0.0
+        return float(self.grad_filter_eps)
 
 
 @lru_cache(maxsize=None)

@@ -135,6 +135,34 @@ def entropy_case(ck, dev, group, *, n, h, v, dtype, sp, bias, use="both", seed=3
         ck.close(f"{name}: db shard", bs.grad, br.grad[s:e], gt)
 
 
+def filter_case(ck, dev, group, *, n, h, v, dtype, strategy, eps=5e-2, seed=9):
+    """grad_filter_eps under TP (uneven V): the mask is built after the global lse, so the loss is
+    the exact one and each gradient entry moves by at most the documented bound:
+    |dX err| <= eps * g_n * sum_v |W_vh|, |dW err| <= eps * sum_n g_n |x_nh| (g: the mean's weights)."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) * h**-0.5 * 10
+    t = torch.randint(0, v, (n,), generator=g)
+    s, e = vocab_shard(v, r, p)
+    name = f"grad filter P={p} {dtype} {strategy} eps={eps} n={n} v={v}"
+    outs = []
+    for f in (None, eps):
+        xs = x.to(dev, dtype).clone().requires_grad_()
+        ws = w[s:e].to(dev, dtype).clone().requires_grad_()
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t.to(dev), group=group, strategy=strategy, grad_filter_eps=f)
+        loss.backward()
+        outs.append((loss.detach().cpu(), xs.grad.cpu().float(), ws.grad.cpu().float()))
+    (l0, gx0, gw0), (l1, gx1, gw1) = outs
+    ck.true(f"{name}: loss unchanged", float(l0) == float(l1))
+    ck.true(f"{name}: something was skipped", float((gx1 - gx0).abs().max()) > 0)
+    gr = 1.0 / n
+    bx = eps * gr * w.abs().sum(0)[None, :]
+    bw = eps * gr * x.abs().sum(0)[None, :]
+    ck.true(f"{name}: dX within the bound", bool(((gx1 - gx0).abs() <= bx * 1.01 + 1e-6).all()))
+    ck.true(f"{name}: dW shard within the bound", bool(((gw1 - gw0).abs() <= bw * 1.01 + 1e-6).all()))
+
+
 def determinism(ck, dev, group, dtype):
     """deterministic=True: two runs and every rank give bitwise identical loss and dX; dW too."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
@@ -387,6 +415,8 @@ def main():
                          bias=True, sp=False, deterministic=True)
                     case(ck, dev, group, n=4 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="none",
                          bias=False, sp=True, deterministic=True)
+            for strategy in ("fused", "recompute"):  # the opt-in gradient filter (issue 15)
+                filter_case(ck, dev, group, n=8 * p, h=24, v=40 * p + 3, dtype=dtypes[0], strategy=strategy)
             # per-token log-probs and entropy with gradients (issue 16), uneven V, with and without SP
             for dtype in dtypes:
                 for use in ("both", "logp", "entropy"):

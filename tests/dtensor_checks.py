@@ -60,7 +60,6 @@ def _token_layout(mesh, tp_dim: int, t: int, hidden_kind: str):
 
 def case(ck, dev, mesh, tp_dim, *, b=2, t=7, h=40, v=53, split="chunk", hidden_kind="plain", bias=False,
          reduction="mean", target_kind="global", tied=False, dtype=torch.float32, seed=0, **opts):
-    p, r = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     # The shard check is cached per rank on (group, local shard, tokens, call): a case that changes only
     # some ranks' shards would split the ranks between cached and handshaking (the cross-rank guard of
     # issue 17); every rank starts each case from an empty cache, in the same order.
@@ -148,7 +147,6 @@ def entropy_case(ck, dev, mesh, tp_dim, *, b=2, t=6, h=24, v=53, hidden_kind="re
     values and gradients of sum(a * logp) + beta * sum(H) against the float64 reference."""
     from flce_dist import logprobs_and_entropy, reference_logprobs_and_entropy
 
-    p, r = mesh.size(tp_dim), mesh.get_local_rank(tp_dim)
     clear_shard_cache()
     name = f"entropy mesh={tuple(mesh.shape)} tp_dim={tp_dim} hidden={hidden_kind} v={v}"
     g = torch.Generator().manual_seed(seed)

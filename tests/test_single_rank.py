@@ -127,9 +127,9 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
     launches = []
     orig = launch._launch
 
-    def spy(name, args, device, dtype, settings, variant="", h=None):
+    def spy(name, args, device, dtype, settings, variant="", h=None, blocks=None):
         launches.append((name, tuple(args[0].shape), launch.entry(name, device, dtype, variant, h, settings)["block"]))
-        return orig(name, args, device, dtype, settings, variant, h)
+        return orig(name, args, device, dtype, settings, variant, h, blocks)
 
     monkeypatch.setattr(launch, "_launch", spy)
     hidden, weight, _, target = make_inputs(_seed(request), n, h, v)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_rows
-from .groups import group_rank, group_size
+from .groups import group_size
 
 
 def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:

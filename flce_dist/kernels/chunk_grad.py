@@ -9,7 +9,10 @@ GLOBAL per-row logsumexp, per-row gradient weight ``g`` (0 for ignored rows), la
     dL/dz = dL/dy * s * (1 - (y/c)^2)        (softcap)      or   dL/dy * s   (no softcap)
 
 Grid: (token tile x vocab tile) over ``z [Nc, Vc]``; each element is read once and written once in
-``z``'s dtype. Out-of-bounds elements of partial tiles are neither read nor written.
+``z``'s dtype. Out-of-bounds elements of partial tiles are neither read nor written. With
+``with_absmax`` (the gradient filter, ``grad_filter_eps``) each tile also records its per-row
+``max |dL/dz|`` in ``absmax [ceil(Vc/BV), Nc]`` (float32), from which the caller builds the
+block mask of ``masked_mm.py``.
 Per-row inputs: ``lse [Nc]``, ``g [Nc]`` float32, ``target_local [Nc]`` int32 (-1: no target here);
 with ``with_ent`` also ``mu [Nc]`` (the global ``sum_v p y``) and ``gh [Nc]`` (dL/dH per row), so the
 loss's and the entropy's gradients leave in one pass (``[1]`` dummies without).
@@ -39,11 +42,14 @@ def chunk_grad_(
     two_zl: float,
     softcap: hl.constexpr,
     with_ent: hl.constexpr,
+    with_absmax: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     n, v = z.size()
     ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
+    absmax = torch.empty([(v + block_v - 1) // block_v if with_absmax else 1, n], dtype=torch.float32,
+                         device=z.device)
     for tile_n, tile_v in hl.tile([n, v], block_size=[block_n, block_v]):
         y = z[tile_n, tile_v].to(ct) * scale
         if softcap > 0:
@@ -60,8 +66,12 @@ def chunk_grad_(
         if softcap > 0:
             r = y / softcap
             dy = dy * (1.0 - r * r)
-        z[tile_n, tile_v] = (dy * scale).to(z.dtype)
-    return z
+        dz = (dy * scale).to(z.dtype)
+        z[tile_n, tile_v] = dz
+        if with_absmax:
+            inside = (tile_v.index < v)[None, :]
+            absmax[tile_v.id, tile_n] = torch.amax(torch.where(inside, torch.abs(dz.to(torch.float32)), 0.0), dim=1)
+    return z, absmax
 
 
 def chunk_grad_reference_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,

@@ -43,15 +43,21 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "chunk_stats": {"block": {"block_n": 4, "block_v": 1024}, "config": {"num_warps": 8, "num_stages": 2}},
     "chunk_grad": {"block": {"block_n": 32, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 2}},
+    # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
+    "dx_masked": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
+    "dw_masked": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
 }
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
     "chunk_stats": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
     "chunk_grad": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
+    "dx_masked": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
+    "dw_masked": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
 BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"),
-               "chunk_grad": ("block_n", "block_v")}
+               "chunk_grad": ("block_n", "block_v"), "dx_masked": ("block_n", "block_v", "block_h"),
+               "dw_masked": ("block_n", "block_v", "block_h")}
 
 
 def arch_of(device: torch.device) -> str:
@@ -98,8 +104,10 @@ def _kernels() -> dict[str, Any]:
     from .chunk_grad import chunk_grad_
     from .chunk_stats import chunk_stats
     from .lse_forward import lse_forward_partials
+    from .masked_mm import dw_masked, dx_masked
 
-    return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats, "chunk_grad": chunk_grad_}
+    return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats, "chunk_grad": chunk_grad_,
+            "dx_masked": dx_masked, "dw_masked": dw_masked}
 
 
 _CONFIGURED: set[int] = set()
@@ -116,10 +124,10 @@ def _ensure_mode(device: torch.device) -> None:
 
 
 def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
-            variant: str = "", h: int | None = None) -> Any:
+            variant: str = "", h: int | None = None, blocks: dict[str, int] | None = None) -> Any:
     _ensure_mode(device)
     e = entry(name, device, dtype, variant, h, settings)
-    block = e["block"]
+    block = {**e["block"], **(blocks or {})}
     full = (*args, *(block[k] for k in BLOCK_ORDER[name]))
     bound = _kernels()[name].bind(full)
     if id(bound) not in _CONFIGURED:
@@ -207,8 +215,74 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
 
         return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap,
                                      mu, gh)
+    return _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh)[0]
+
+
+def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh,
+                block_v: int | None = None):
     with_ent = gh is not None
     dummy = g[:1]
     return _launch("chunk_grad", (z, target_local, lse, g, mu if with_ent else dummy, gh if with_ent else dummy,
                                   float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap),
-                                  with_ent), z.device, z.dtype, settings)
+                                  with_ent, block_v is not None), z.device, z.dtype, settings,
+                   blocks=None if block_v is None else {"block_v": block_v})
+
+
+def masked_blocks(device: torch.device, dtype: torch.dtype, settings: Settings) -> tuple[int, int]:
+    """(block_n, block_v) of the gradient filter's block mask: the ``dx_masked`` entry's, which
+    ``dw_masked`` and the ``chunk_grad_`` pass that records the mask use too."""
+    b = entry("dx_masked", device, dtype, settings=settings)["block"]
+    return b["block_n"], b["block_v"]
+
+
+def _torch_masked(dtype: torch.dtype, *sizes: int) -> bool:
+    """float64 (``hl.dot`` has none) and size-1 dims (Helion 1.4) take the torch references."""
+    return dtype == torch.float64 or _degenerate(*sizes)
+
+
+def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
+                         row_scale: torch.Tensor, eps: float, scale: float, eps_over_v: float, one_minus_eps: float,
+                         two_zl: float, softcap: float, settings: Settings, mu: torch.Tensor | None = None,
+                         gh: torch.Tensor | None = None) -> torch.Tensor:
+    """``chunk_grad_`` that also returns the block mask ``keep [ceil(Nc/BN), ceil(Vc/BV)]`` (bool) of
+    the gradient filter: a block is kept when some entry has ``|dL/dz| >= eps * row_scale`` (rows
+    with ``row_scale`` 0, e.g. ignored tokens, keep nothing)."""
+    bn, bv = masked_blocks(z.device, z.dtype, settings)
+    n, v = z.shape
+    if z.numel() == 0 or _degenerate(*z.shape):
+        from .chunk_grad import chunk_grad_reference_
+
+        chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, mu, gh)
+        pad = torch.zeros(n, -v % bv, dtype=torch.float32, device=z.device)
+        absmax = torch.cat([z.abs().float(), pad], 1).view(n, -1, bv).amax(2).T if v else z.new_zeros(0, n).float()
+    else:
+        _, absmax = _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings,
+                                mu, gh, block_v=bv)
+    thresh = eps * row_scale.to(torch.float32)
+    hit = (absmax >= thresh[None, :]) & (thresh > 0)[None, :]  # [n_vt, Nc]
+    hit = torch.cat([hit, hit.new_zeros(hit.shape[0], -n % bn)], 1)
+    return hit.view(hit.shape[0], -1, bn).any(2).T.contiguous()
+
+
+def dx_masked(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """``out = dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py)."""
+    bn, bv = masked_blocks(dz.device, dz.dtype, settings)
+    if dz.numel() == 0 or _torch_masked(dz.dtype, *dz.shape, w.shape[1]):
+        from .masked_mm import dx_masked_reference
+
+        return dx_masked_reference(dz, w, keep, out, bn, bv) if dz.numel() else out.zero_()
+    return _launch("dx_masked", (dz, w, keep, out), dz.device, dz.dtype, settings)
+
+
+def dw_masked(dz: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
+              settings: Settings) -> torch.Tensor:
+    """``out (+)= dz.T @ x`` over the kept blocks of ``dz``."""
+    bn, bv = masked_blocks(dz.device, dz.dtype, settings)
+    if dz.numel() == 0 or _torch_masked(dz.dtype, *dz.shape, x.shape[1]):
+        from .masked_mm import dw_masked_reference
+
+        if not dz.numel():
+            return out if accumulate else out.zero_()
+        return dw_masked_reference(dz, x, keep, out, accumulate, bn, bv)
+    return _launch("dw_masked", (dz, x, keep, out, bool(accumulate)), dz.device, dz.dtype, settings,
+                   blocks={"block_n": bn, "block_v": bv})

@@ -1,0 +1,169 @@
+"""The opt-in gradient filter (``grad_filter_eps``, issue 15 item 3) on one rank; across gloo ranks in
+dist_checks.py. Helion kernels in reference mode with several tiles in every dimension."""
+
+import pytest
+import torch
+
+import flce_dist
+from flce_dist import settings
+from flce_dist.kernels import launch as K
+
+from .conftest import SMALL_BLOCKS, rel
+
+BLOCKS = SMALL_BLOCKS  # several filter blocks (8 x 16) in every dimension
+
+
+@pytest.fixture
+def filter_tiles():
+    with settings.override(blocks=BLOCKS):
+        yield settings.current()
+
+
+def _inputs(seed, n=53, h=70, v=203, peak=6.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v, h, generator=g) * h**-0.5 * peak).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[5] = -100
+    return x, w, t
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_masked_matmuls_match_their_references(filter_tiles, accumulate):
+    """dx_masked / dw_masked (Helion, reference mode) against the torch references on a random
+    block mask, odd shapes, partial tiles in every dimension."""
+    from flce_dist.kernels.masked_mm import dw_masked_reference, dx_masked_reference, expand_keep
+
+    g = torch.Generator().manual_seed(1)
+    n, v, h = 45, 83, 70
+    bn, bv = K.masked_blocks(torch.device("cpu"), torch.float32, filter_tiles)
+    dz, w, x = torch.randn(n, v, generator=g), torch.randn(v, h, generator=g), torch.randn(n, h, generator=g)
+    keep = torch.rand(-(-n // bn), -(-v // bv), generator=g) < 0.5
+    assert 0 < int(keep.sum()) < keep.numel()
+    got = K.dx_masked(dz, w, keep, torch.empty(n, h), filter_tiles)
+    assert rel(got, dx_masked_reference(dz, w, keep, torch.empty(n, h), bn, bv)) < 1e-6
+    dense = torch.mm(torch.where(expand_keep(keep, n, v, bn, bv), dz, 0.0), w)
+    assert rel(got, dense) < 1e-6 and rel(got, dz @ w) > 1e-2  # the mask really removes blocks
+    base = torch.randn(v, h, generator=g)
+    got = K.dw_masked(dz, x, keep, base.clone(), accumulate, filter_tiles)
+    want = dw_masked_reference(dz, x, keep, base.clone(), accumulate, bn, bv)
+    assert rel(got, want) < 1e-6
+
+
+def test_filter_mask_is_the_block_max_of_the_gradient(filter_tiles):
+    """chunk_grad_filtered_ writes the same dz as chunk_grad_ and keeps exactly the blocks with an
+    entry |dz| >= eps * row_scale (rows of scale 0 keep nothing)."""
+    x, w, t = _inputs(2)
+    z = x @ w.T
+    lse = torch.logsumexp(z, 1)
+    gw = torch.rand(z.shape[0], generator=torch.Generator().manual_seed(3))
+    gw[7] = 0.0
+    tl = t.to(torch.int32).where(t >= 0, -1)
+    kw = dict(scale=1.0, eps_over_v=0.0, one_minus_eps=1.0, two_zl=0.0, softcap=0.0, settings=filter_tiles)
+    dz = K.chunk_grad_(z.clone(), tl, lse, gw, **kw)
+    z2 = z.clone()
+    keep = K.chunk_grad_filtered_(z2, tl, lse, gw, gw, 3e-2, **kw)
+    assert torch.equal(z2, dz)
+    bn, bv = K.masked_blocks(z.device, z.dtype, filter_tiles)
+    hit = (dz.abs() >= 3e-2 * gw[:, None]) & (gw > 0)[:, None]
+    n, v = dz.shape
+    hit = torch.nn.functional.pad(hit, (0, -v % bv, 0, -n % bn))
+    want = hit.view(hit.shape[0] // bn, bn, hit.shape[1] // bv, bv).any(3).any(1)
+    assert torch.equal(keep, want)
+    assert 0.05 < float(keep.float().mean()) < 0.95  # peaked logits: some blocks skipped, some kept
+
+
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+def test_filtered_gradients_within_the_bound(filter_tiles, strategy):
+    """The loss is untouched; tiny eps gives the exact gradients; a larger eps changes each gradient
+    entry by at most the documented bound (skipped |dz| < eps * row weight):
+    |dX_nh err| <= eps * g_n * sum_v |W_vh| and |dW_vh err| <= eps * sum_n g_n |x_nh|."""
+    x, w, t = _inputs(4)
+
+    def run(eps):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, grad_filter_eps=eps, strategy=strategy)
+        loss.backward()
+        return loss.detach(), xs.grad, ws.grad
+
+    l0, gx0, gw0 = run(None)
+    l1, gx1, gw1 = run(1e-30)
+    assert float(l1) == float(l0) and rel(gx1, gx0) < 1e-6 and rel(gw1, gw0) < 1e-6
+    eps = 5e-2
+    l2, gx2, gw2 = run(eps)
+    assert float(l2) == float(l0)
+    assert rel(gx2, gx0) > 1e-5  # something was skipped
+    g = (t != -100).float() / (t != -100).sum()  # the mean's row weights
+    bound_x = eps * g[:, None] * w.abs().sum(0)[None, :]
+    bound_w = eps * (g[:, None] * x.abs()).sum(0)[None, :].expand_as(w)
+    assert bool(((gx2 - gx0).abs() <= bound_x * 1.01 + 1e-7).all())
+    assert bool(((gw2 - gw0).abs() <= bound_w * 1.01 + 1e-7).all())
+
+
+def test_filter_with_entropy_and_per_token_grads(filter_tiles):
+    """reduction='none' with a random grad_output and the entropy: the filter's row scale is the
+    rows' total gradient weight; tiny eps is exact, a moderate eps close."""
+    x, w, t = _inputs(5)
+    go = torch.randn(t.shape, generator=torch.Generator().manual_seed(6))
+
+    def run(eps):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss, ent = flce_dist.fused_linear_cross_entropy(xs, ws, t, reduction="none", return_entropy=True,
+                                                         grad_filter_eps=eps, temperature=0.8)
+        ((loss * go).sum() + 0.3 * ent.sum()).backward()
+        return xs.grad, ws.grad
+
+    gx0, gw0 = run(None)
+    gx1, gw1 = run(1e-30)
+    assert rel(gx1, gx0) < 1e-6 and rel(gw1, gw0) < 1e-6
+    gx2, gw2 = run(5e-2)
+    assert 1e-6 < rel(gx2, gx0) < 5e-2 and rel(gw2, gw0) < 5e-2
+
+
+def test_auto_and_bad_values():
+    o = flce_dist.LossOptions(grad_filter_eps="auto")
+    assert o.filter_eps(torch.bfloat16) == 2.0**-12 and o.filter_eps(torch.float32) == 0.0
+    assert flce_dist.LossOptions().filter_eps(torch.bfloat16) == 0.0
+    x, w, t = _inputs(7, n=8, v=20)
+    for bad in ("fast", -1e-3, 1.5, float("nan")):
+        with pytest.raises((ValueError, TypeError), match="grad_filter_eps"):
+            flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps=bad)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps=1e-3, label_smoothing=0.1)
+
+
+def _long_tailed(seed, n=96, h=48, v=301, frequent=64):
+    """A trained model's shape of softmax: a unigram prior (a constant feature whose weight puts the
+    rare 80% of the vocabulary ~12 nats down) and targets drawn from the frequent tokens."""
+    x, w, _ = _inputs(seed, n=n, h=h, v=v, peak=2.0)
+    x[:, 0] = 1.0
+    w[:, 0] = 0.0
+    w[frequent:, 0] = -12.0
+    t = torch.randint(0, frequent, (n,), generator=torch.Generator().manual_seed(seed + 1))
+    return x, w, t
+
+
+def test_auto_on_bfloat16_trains_like_exact(filter_tiles):
+    """bf16 with 'auto' (2**-12) on long-tailed logits: most blocks are skipped, and a few SGD steps
+    follow the exact run's losses closely (the CPU stand-in for the loss-curve check)."""
+    x, w0, t = _long_tailed(8)
+    z = (x @ w0.T).bfloat16()
+    lse = torch.logsumexp(z.float(), 1)
+    g = torch.full((x.shape[0],), 1.0 / x.shape[0])
+    kw = dict(scale=1.0, eps_over_v=0.0, one_minus_eps=1.0, two_zl=0.0, softcap=0.0, settings=filter_tiles)
+    keep = K.chunk_grad_filtered_(z, t.to(torch.int32), lse, g, g, 2.0**-12, **kw)
+    assert float(keep.float().mean()) < 0.4  # the rare vocabulary's blocks are skipped
+    losses = {}
+    for eps in (None, "auto"):
+        w = w0.clone().bfloat16().requires_grad_()
+        out = []
+        for _ in range(10):
+            loss = flce_dist.fused_linear_cross_entropy(x.bfloat16(), w, t, grad_filter_eps=eps)
+            loss.backward()
+            with torch.no_grad():
+                w -= 1.0 * w.grad
+                w.grad = None
+            out.append(float(loss))
+        losses[eps] = out
+    assert losses[None][-1] < losses[None][0] - 0.1  # it trains
+    assert max(abs(a - b) for a, b in zip(losses[None], losses["auto"])) < 0.01

@@ -121,11 +121,13 @@ def runs(tmp_path_factory):
     src = tmp / "d2t2" / "checkpoints" / f"step_{CKPT_EVERY:08d}"
     shutil.copytree(src, tmp / "resumed" / "checkpoints" / src.name)
     shutil.copytree(src, tmp / "refused" / "checkpoints" / src.name)
-    later = [_job("resumed", tmp, _torchrun(4), ["parallel.dp=4", "parallel.tp=1"], args=["--resume"])]
+    later = [_job("resumed", tmp, _torchrun(4), ["parallel.dp=4", "parallel.tp=1"], args=["--resume"]),
+             _job("compiled", tmp, _torchrun(2), ["parallel.tp=2", "parallel.sp=true", 'model.compile="aot_eager"',
+                                                  'training.optimizer_impl="fused"'])]
     refused = [_job("refused", tmp, [sys.executable], ["parallel.tp=1"])]
     results.update(_wait(later))
     results.update(_wait(refused, expect_fail=True))
-    print(f"\ntraining jobs: {t1 - t0:.1f} s (6 at once), then {time.perf_counter() - t1:.1f} s (resume, refusal)")
+    print(f"\ntraining jobs: {t1 - t0:.1f} s (6 at once), then {time.perf_counter() - t1:.1f} s (resume, compiled, refusal)")
     results["tmp"] = tmp
     return results
 
@@ -144,6 +146,17 @@ def test_2d_mesh_matches_one_process(runs):
     diff = _max_diff(d["losses"], ref["losses"])
     assert diff < TOL, f"(dp=2, tp=2, sp) vs one process: max per-step loss difference {diff:.3e}\n{d['losses']}\n{ref['losses']}"
     assert ref["losses"][-1] < ref["losses"][0], ref["losses"]
+
+
+@pytest.mark.dist
+def test_compiled_layers_and_fused_adamw_match(runs):
+    """model.compile (each decoder layer torch.compile'd after TP, here the aot_eager backend: graph
+    capture of the DTensor layers) and training.optimizer_impl="fused" at (dp=1, tp=2, sp): the same
+    per-step losses as one process."""
+    c, ref = runs["compiled"], runs["ref"]
+    assert (c["tp"], c["sp"]) == (2, True) and c["config"]["model"]["compile"] == "aot_eager"
+    diff = _max_diff(c["losses"], ref["losses"])
+    assert diff < TOL, f"compiled + fused AdamW vs one process: {diff:.3e}\n{c['losses']}\n{ref['losses']}"
 
 
 @pytest.mark.dist

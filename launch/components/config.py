@@ -52,6 +52,9 @@ class ModelConfig:
     initializer_range: float = 0.02
     attn_implementation: str = "sdpa"
     tie_word_embeddings: bool = False
+    # torch.compile each decoder layer after tensor parallelism, before FSDP2 (torchtitan's order):
+    # "" (off), "inductor" (the GPU choice) or "aot_eager" (graph capture only: what CPU tests run)
+    compile: str = ""
 
 
 @dataclass
@@ -134,6 +137,7 @@ class Config:
 _CHOICES = {("model", "head"): ("flce", "torch"), ("training", "dtype"): ("fp32", "bf16"),
             ("training", "resume_schedule"): ("check", "checkpoint", "config"),
             ("training", "optimizer_impl"): ("default", "foreach", "fused"),
+            ("model", "compile"): ("", "inductor", "aot_eager"),
             ("data", "tokenizer"): ("bpe", "byte"), ("job", "device"): ("auto", "cpu", "cuda"),
             ("job", "progress"): ("auto", "on", "off")}
 

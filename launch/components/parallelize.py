@@ -88,9 +88,20 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype |
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool) -> nn.Module:
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """``torch.compile`` each decoder layer in place (``Module.compile``: the module object, and so
+    FSDP2's wrapping and the checkpoint keys, stay the same); graph breaks are allowed (HF layers
+    take a cache argument), the loss is outside the compiled layers."""
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, compile_backend: str = "") -> nn.Module:
+    """Tensor parallelism, then ``torch.compile`` of the layers, then FSDP2 (torchtitan's order)."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], sp)
+    if compile_backend:
+        apply_compile(model, compile_backend)
     if mesh["dp"].size() > 1:
         apply_fsdp(model, mesh["dp"])
     return model

@@ -196,7 +196,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         if eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
             gc = g[i:i + rows]
             keep = K.chunk_grad_filtered_(z, tc, st[:, 0].contiguous(), gc, gc.abs(), eps, **kw)
-            K.dx_masked(z, w, keep, dx[i:i + rows], p.settings)
+            K.dx_masked(z, w, keep, dx[i:i + rows], False, p.settings)
         else:
             K.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
             torch.mm(z, w, out=dx[i:i + rows])
@@ -239,7 +239,6 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     eps = p.options.filter_eps(x.dtype)
     if eps:  # the gradient filter's row scale: the rows' total gradient weight
         row_scale = g.abs() if gh is None else g.abs() + gh.abs()
-        part = torch.empty_like(dx)
     if n == 0:
         v = 0
         dw.zero_()
@@ -251,7 +250,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         keep = None
         if eps:
             keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
-            dx += K.dx_masked(z, wc, keep, part, p.settings)
+            K.dx_masked(z, wc, keep, dx, True, p.settings)
         else:
             K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
             dx += torch.mm(z, wc)

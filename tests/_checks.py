@@ -20,8 +20,7 @@ SMALL_BLOCKS = {
     "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
     "chunk_stats": {"block_n": 8, "block_v": 32},
     "chunk_grad": {"block_n": 8, "block_v": 32},
-    "dx_masked": {"block_n": 8, "block_v": 16, "block_h": 32},  # the gradient filter's blocks
-    "dw_masked": {"block_n": 8, "block_v": 16, "block_h": 32},
+    "masked_mm": {"block_n": 8, "block_v": 16, "block_h": 32},  # the gradient filter's blocks
 }
 
 

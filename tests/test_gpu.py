@@ -202,7 +202,7 @@ def test_logprobs_and_entropy_match_float64_reference(dtype, shape, opts):
 
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 def test_grad_filter_on_the_gpu(strategy):
-    """The gradient filter's Helion kernels (chunk_grad_ with_absmax, dx_masked, dw_masked) compiled
+    """The gradient filter's Helion kernels (chunk_grad_ with_absmax, masked_mm for dX and dW) compiled
     for the GPU: bf16, a tiny eps gives the exact gradients; "auto" on peaked logits changes each
     entry by at most the documented bound."""
     x, w, t = _case(2, 1024, 1024, 32000, torch.bfloat16, seed=5)

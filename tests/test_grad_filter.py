@@ -30,9 +30,9 @@ def _inputs(seed, n=53, h=70, v=203, peak=6.0, dtype=torch.float32):
 
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_masked_matmuls_match_their_references(filter_tiles, accumulate):
-    """dx_masked / dw_masked (Helion, reference mode) against the torch references on a random
-    block mask, odd shapes, partial tiles in every dimension."""
-    from flce_dist.kernels.masked_mm import dw_masked_reference, dx_masked_reference, expand_keep
+    """dx_masked / dw_masked (one Helion kernel, reference mode; dW on the transposed views) against
+    the torch reference on a random block mask, odd shapes, partial tiles in every dimension."""
+    from flce_dist.kernels.masked_mm import expand_keep, masked_mm_reference
 
     g = torch.Generator().manual_seed(1)
     n, v, h = 45, 83, 70
@@ -40,14 +40,19 @@ def test_masked_matmuls_match_their_references(filter_tiles, accumulate):
     dz, w, x = torch.randn(n, v, generator=g), torch.randn(v, h, generator=g), torch.randn(n, h, generator=g)
     keep = torch.rand(-(-n // bn), -(-v // bv), generator=g) < 0.5
     assert 0 < int(keep.sum()) < keep.numel()
-    got = K.dx_masked(dz, w, keep, torch.empty(n, h), filter_tiles)
-    assert rel(got, dx_masked_reference(dz, w, keep, torch.empty(n, h), bn, bv)) < 1e-6
+    got = K.dx_masked(dz, w, keep, torch.empty(n, h), False, filter_tiles)
+    assert rel(got, masked_mm_reference(dz, w, keep, torch.empty(n, h), False, bn, bv)) < 1e-6
     dense = torch.mm(torch.where(expand_keep(keep, n, v, bn, bv), dz, 0.0), w)
     assert rel(got, dense) < 1e-6 and rel(got, dz @ w) > 1e-2  # the mask really removes blocks
+    base_x = torch.randn(n, h, generator=g)
+    got = K.dx_masked(dz, w, keep, base_x.clone(), accumulate, filter_tiles)
+    assert rel(got, masked_mm_reference(dz, w, keep, base_x.clone(), accumulate, bn, bv)) < 1e-6
     base = torch.randn(v, h, generator=g)
     got = K.dw_masked(dz, x, keep, base.clone(), accumulate, filter_tiles)
-    want = dw_masked_reference(dz, x, keep, base.clone(), accumulate, bn, bv)
+    want = masked_mm_reference(dz.T, x, keep.T, base.clone(), accumulate, bv, bn)
     assert rel(got, want) < 1e-6
+    dense_w = torch.mm(torch.where(expand_keep(keep, n, v, bn, bv), dz, 0.0).T, x) + (base if accumulate else 0)
+    assert rel(got, dense_w) < 1e-6
 
 
 def test_filter_mask_is_the_block_max_of_the_gradient(filter_tiles):

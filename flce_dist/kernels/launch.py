@@ -44,20 +44,18 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "chunk_stats": {"block": {"block_n": 4, "block_v": 1024}, "config": {"num_warps": 8, "num_stages": 2}},
     "chunk_grad": {"block": {"block_n": 32, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 2}},
     # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
-    "dx_masked": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
-    "dw_masked": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
+    # (block_n, block_v: the filter's mask blocks, which the dX and dW launches map onto block_m, block_k)
+    "masked_mm": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
 }
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
     "chunk_stats": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
     "chunk_grad": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
-    "dx_masked": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
-    "dw_masked": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
+    "masked_mm": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
 BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"),
-               "chunk_grad": ("block_n", "block_v"), "dx_masked": ("block_n", "block_v", "block_h"),
-               "dw_masked": ("block_n", "block_v", "block_h")}
+               "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h")}
 
 
 def arch_of(device: torch.device) -> str:
@@ -104,10 +102,10 @@ def _kernels() -> dict[str, Any]:
     from .chunk_grad import chunk_grad_
     from .chunk_stats import chunk_stats
     from .lse_forward import lse_forward_partials
-    from .masked_mm import dw_masked, dx_masked
+    from .masked_mm import masked_mm
 
     return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats, "chunk_grad": chunk_grad_,
-            "dx_masked": dx_masked, "dw_masked": dw_masked}
+            "masked_mm": masked_mm}
 
 
 _CONFIGURED: set[int] = set()
@@ -229,9 +227,9 @@ def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_z
 
 
 def masked_blocks(device: torch.device, dtype: torch.dtype, settings: Settings) -> tuple[int, int]:
-    """(block_n, block_v) of the gradient filter's block mask: the ``dx_masked`` entry's, which
-    ``dw_masked`` and the ``chunk_grad_`` pass that records the mask use too."""
-    b = entry("dx_masked", device, dtype, settings=settings)["block"]
+    """(block_n, block_v) of the gradient filter's block mask: the ``masked_mm`` entry's, which the
+    dX and dW matmuls and the ``chunk_grad_`` pass that records the mask use."""
+    b = entry("masked_mm", device, dtype, settings=settings)["block"]
     return b["block_n"], b["block_v"]
 
 
@@ -264,25 +262,27 @@ def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch
     return hit.view(hit.shape[0], -1, bn).any(2).T.contiguous()
 
 
-def dx_masked(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, settings: Settings) -> torch.Tensor:
-    """``out = dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py)."""
-    bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    if dz.numel() == 0 or _torch_masked(dz.dtype, *dz.shape, w.shape[1]):
-        from .masked_mm import dx_masked_reference
+def _masked_mm(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
+               block_m: int, block_k: int, settings: Settings) -> torch.Tensor:
+    if a.numel() == 0:
+        return out if accumulate else out.zero_()
+    if _torch_masked(a.dtype, *a.shape, b.shape[1]):
+        from .masked_mm import masked_mm_reference
 
-        return dx_masked_reference(dz, w, keep, out, bn, bv) if dz.numel() else out.zero_()
-    return _launch("dx_masked", (dz, w, keep, out), dz.device, dz.dtype, settings)
+        return masked_mm_reference(a, b, keep, out, accumulate, block_m, block_k)
+    return _launch("masked_mm", (a, b, keep, out, bool(accumulate)), a.device, a.dtype, settings,
+                   blocks={"block_m": block_m, "block_k": block_k})
+
+
+def dx_masked(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
+              settings: Settings) -> torch.Tensor:
+    """``out (+)= dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py)."""
+    bn, bv = masked_blocks(dz.device, dz.dtype, settings)
+    return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings)
 
 
 def dw_masked(dz: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
               settings: Settings) -> torch.Tensor:
-    """``out (+)= dz.T @ x`` over the kept blocks of ``dz``."""
+    """``out (+)= dz.T @ x`` over the kept blocks of ``dz``: the same kernel on the transposed views."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    if dz.numel() == 0 or _torch_masked(dz.dtype, *dz.shape, x.shape[1]):
-        from .masked_mm import dw_masked_reference
-
-        if not dz.numel():
-            return out if accumulate else out.zero_()
-        return dw_masked_reference(dz, x, keep, out, accumulate, bn, bv)
-    return _launch("dw_masked", (dz, x, keep, out, bool(accumulate)), dz.device, dz.dtype, settings,
-                   blocks={"block_n": bn, "block_v": bv})
+    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings)

@@ -1,21 +1,22 @@
-"""Block-sparse gradient matmuls of the opt-in gradient filter (``grad_filter_eps``).
+"""The block-sparse gradient matmul of the opt-in gradient filter (``grad_filter_eps``).
 
 ``dz [N, V]`` is a chunk's dlogits; ``keep [ceil(N/BN), ceil(V/BV)]`` (bool) marks the (token tile,
 vocab tile) blocks that hold at least one entry at or above the filter threshold; the others are
-treated as zero and never read:
+treated as zero and never read. One kernel serves both gradient matmuls:
 
-    dx_masked   dX [N, H] = dz @ W            grid (N/BN) x (H/BH); loop over vocab tiles v:
-                    if keep[n, v]: acc += dz[n, v] @ W[v, :]
-    dw_masked   dW [V, H] = dz.T @ x (+= acc)  grid (V/BV) x (H/BH); loop over token tiles n:
-                    if keep[n, v]: acc += dz[n, v].T @ x[n, :]
+    masked_mm(a, b, keep, out)   out [M, H] (+)= sum over kept (m, k) blocks of a[m, k] @ b[k, :]
+                                 grid (M/BM) x (H/BH); loop over k tiles: if keep[m, k]: acc += ...
+    dX = dz @ W                  a = dz,   keep,    (BM, BK) = (BN, BV)
+    dW = dz.T @ x                a = dz.T, keep.T,  (BM, BK) = (BV, BN)   (transposed views, no copy)
 
-Both accumulate in float32 and store in the output's dtype; ``dw_masked`` adds to ``out`` when
-``accumulate`` (the fused strategy's later token chunks). Block sizes are constexpr arguments: the
-vocab tile must be the one ``keep`` was built with (``block_n``, ``block_v`` of the
-``masked_mm`` config entry). The skipped work is what a trained model's long-tailed softmax makes
-negligible: a block whose every ``|dL/dz|`` (per unit row weight) is below eps.
+It accumulates in float32 and stores in ``out``'s dtype, adding to ``out`` when ``accumulate`` (the
+recompute strategy's float32 dX over vocab chunks, the fused strategy's dW over token chunks). The
+block sizes along ``a``'s two dims must be the ones ``keep`` was built with (``block_n``,
+``block_v`` of the ``masked_mm`` config entry). The skipped work is what a trained model's
+long-tailed softmax makes negligible: a block whose every ``|dL/dz|`` (per unit row weight) is
+below eps.
 
-Shapes: dz [N, V], w [V, H], x [N, H], keep [ceil(N/BN), ceil(V/BV)] bool, out [N, H] / [V, H].
+Shapes: a [M, K], b [K, H], keep [ceil(M/BM), ceil(K/BK)] bool, out [M, H].
 """
 
 from __future__ import annotations
@@ -28,64 +29,36 @@ from .common import SETTINGS
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee", **SETTINGS)
-def dx_masked(
-    dz: torch.Tensor,
-    w: torch.Tensor,
-    keep: torch.Tensor,
-    out: torch.Tensor,
-    block_n: hl.constexpr,
-    block_v: hl.constexpr,
-    block_h: hl.constexpr,
-) -> torch.Tensor:
-    n, v = dz.size()
-    h = w.size(1)
-    for tile_n, tile_h in hl.tile([n, h], block_size=[block_n, block_h]):
-        acc = hl.zeros([tile_n, tile_h], dtype=torch.float32)
-        for tile_v in hl.tile(v, block_size=block_v):
-            if keep[tile_n.id, tile_v.id]:
-                acc = hl.dot(dz[tile_n, tile_v], w[tile_v, tile_h], acc=acc)
-        out[tile_n, tile_h] = acc.to(out.dtype)
-    return out
-
-
-@helion.kernel(static_shapes=False, dot_precision="ieee", **SETTINGS)
-def dw_masked(
-    dz: torch.Tensor,
-    x: torch.Tensor,
+def masked_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
     keep: torch.Tensor,
     out: torch.Tensor,
     accumulate: hl.constexpr,
-    block_n: hl.constexpr,
-    block_v: hl.constexpr,
+    block_m: hl.constexpr,
+    block_k: hl.constexpr,
     block_h: hl.constexpr,
 ) -> torch.Tensor:
-    n, v = dz.size()
-    h = x.size(1)
-    for tile_v, tile_h in hl.tile([v, h], block_size=[block_v, block_h]):
-        acc = hl.zeros([tile_v, tile_h], dtype=torch.float32)
-        for tile_n in hl.tile(n, block_size=block_n):
-            if keep[tile_n.id, tile_v.id]:
-                acc = hl.dot(dz[tile_n, tile_v].T, x[tile_n, tile_h], acc=acc)
+    m, k = a.size()
+    h = b.size(1)
+    for tile_m, tile_h in hl.tile([m, h], block_size=[block_m, block_h]):
+        acc = hl.zeros([tile_m, tile_h], dtype=torch.float32)
+        for tile_k in hl.tile(k, block_size=block_k):
+            if keep[tile_m.id, tile_k.id]:
+                acc = hl.dot(a[tile_m, tile_k], b[tile_k, tile_h], acc=acc)
         if accumulate:
-            acc = acc + out[tile_v, tile_h].to(torch.float32)
-        out[tile_v, tile_h] = acc.to(out.dtype)
+            acc = acc + out[tile_m, tile_h].to(torch.float32)
+        out[tile_m, tile_h] = acc.to(out.dtype)
     return out
 
 
-def expand_keep(keep: torch.Tensor, n: int, v: int, block_n: int, block_v: int) -> torch.Tensor:
-    """``keep`` as an element mask ``[n, v]`` (for the references and tests)."""
-    return keep.repeat_interleave(block_n, 0)[:n].repeat_interleave(block_v, 1)[:, :v]
+def expand_keep(keep: torch.Tensor, m: int, k: int, block_m: int, block_k: int) -> torch.Tensor:
+    """``keep`` as an element mask ``[m, k]`` (for the reference and tests)."""
+    return keep.repeat_interleave(block_m, 0)[:m].repeat_interleave(block_k, 1)[:, :k]
 
 
-def dx_masked_reference(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.Tensor,
-                        block_n: int, block_v: int) -> torch.Tensor:
-    """The kernel's math in torch: the kept blocks of ``dz`` times ``w``."""
-    m = expand_keep(keep, *dz.shape, block_n, block_v)
-    return out.copy_(torch.mm(torch.where(m, dz, torch.zeros_like(dz)), w))
-
-
-def dw_masked_reference(dz: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, out: torch.Tensor,
-                        accumulate: bool, block_n: int, block_v: int) -> torch.Tensor:
-    m = expand_keep(keep, *dz.shape, block_n, block_v)
-    part = torch.mm(torch.where(m, dz, torch.zeros_like(dz)).T, x)
+def masked_mm_reference(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
+                        block_m: int, block_k: int) -> torch.Tensor:
+    """The kernel's math in torch: the kept blocks of ``a`` times ``b``, into (or added to) ``out``."""
+    part = torch.mm(torch.where(expand_keep(keep, *a.shape, block_m, block_k), a, torch.zeros_like(a)), b)
     return out.add_(part) if accumulate else out.copy_(part)

@@ -240,6 +240,13 @@ def fused_linear_cross_entropy(
     return (loss, *extras) if extras else loss
 
 
+def sampling_options(temperature: float, softcap: float | None, sampling_temperature: float) -> tuple[float, float | None]:
+    """The loss's ``(temperature, softcap)`` for the logits a sampler sees at ``sampling_temperature``
+    T: ``softcap(z / temperature) / T`` is the loss transform with ``temperature * T`` and
+    ``softcap / T`` (``(c / T) tanh((z / tT) / (c / T)) = c tanh(z / (t c)) / T``)."""
+    return temperature * sampling_temperature, None if softcap is None else softcap / sampling_temperature
+
+
 _LOGPROB_REFUSED = ("reduction", "label_smoothing", "z_loss", "return_lse", "return_token_accuracy", "return_entropy",
                     "num_items_in_batch", "strategy")
 
@@ -274,8 +281,8 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
         raise TypeError(f"logprobs_and_entropy: {refused} cannot be set here (log-probabilities are per token, "
                         "without label smoothing or z-loss); call fused_linear_cross_entropy for the loss")
     softcap = kwargs.pop("softcap", None)
-    if softcap is not None and isinstance(temperature, numbers.Real) and temperature > 0:
-        softcap = softcap / temperature  # softcap(z) / T == (c / T) * tanh((z / T) / (c / T))
+    if softcap is not None and isinstance(temperature, numbers.Real) and temperature > 0:  # else LossOptions says why
+        temperature, softcap = sampling_options(1.0, softcap, temperature)
     nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, softcap=softcap,
                                               reduction="none", return_entropy=True, **kwargs)
     return -nll, entropy

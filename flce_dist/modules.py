@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .api import NON_OPTIONS, _num_items, fused_linear_cross_entropy, logprobs_and_entropy
+from .api import _LOGPROB_REFUSED, NON_OPTIONS, _num_items, fused_linear_cross_entropy, logprobs_and_entropy
 from .distributed import group_rank, group_size, vocab_shard
 from .distributed.dtensor import chunk_span, from_local, is_dtensor, sharded_placements
 from .options import LossOptions
@@ -138,9 +138,7 @@ class VocabParallelLMHead(nn.Module):
         (``ignore_index``, ``softcap``, ``sequence_parallel``, ...) come from ``loss_options`` and
         ``overrides``."""
         kw = {k: v for k, v in {"ignore_index": self.loss.ignore_index, "group": self.loss.group, **self.loss.options,
-                                **overrides}.items() if k not in ("reduction", "label_smoothing", "z_loss",
-                                                                  "return_lse", "return_token_accuracy",
-                                                                  "return_entropy", "num_items_in_batch", "strategy")}
+                                **overrides}.items() if k not in _LOGPROB_REFUSED}
         if self.mesh is None:
             kw["vocab_start"] = self.shard[0]
         return logprobs_and_entropy(hidden, self.weight, target, temperature=temperature, bias=self.bias, **kw)

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import fused_linear_cross_entropy
+from ..api import fused_linear_cross_entropy, sampling_options
 from ..distributed import GatherVocab, TiedShardRows, group_rank, group_size, shard_sizes, vocab_shard
 from ..modules import VocabParallelLMHead
 from ..options import LossOptions
@@ -235,7 +235,7 @@ def _fused_forward(self, *args, **kwargs):
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
 
     if shift_labels is None:
-        target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        target = _next_tokens(labels, ignore_index)
     else:
         target = shift_labels
     target = target.to(device=hidden.device)
@@ -258,6 +258,19 @@ def _fused_forward(self, *args, **kwargs):
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)
     return result if return_dict else result.to_tuple()
+
+
+def _next_tokens(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """The causal-LM targets of every position: ``labels`` shifted left by one, ``ignore_index`` last."""
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _model_type(model: nn.Module) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
+                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    return model_type
 
 
 def _logical_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -283,10 +296,7 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
         raise TypeError(f"model must be a transformers PreTrainedModel (*ForCausalLM), got {type(model).__name__}")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
-                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    model_type = _model_type(model)
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
         raise ValueError(f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}")
     head = model.get_output_embeddings()
@@ -352,26 +362,20 @@ def logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, *, labels: t
       is used in place: vocab-parallel, one statistics all-gather forward, one dX all-reduce backward.
 
     ``model_kwargs`` go to the base model (``position_ids``, ...)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
-                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    model_type = _model_type(model)
     base = getattr(model, model.base_model_prefix)
     outputs = base(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     hidden = outputs.last_hidden_state if hasattr(outputs, "last_hidden_state") else outputs[0]
-    target = input_ids if labels is None else labels
-    target = nn.functional.pad(target, (0, 1), value=ignore_index)[..., 1:]
+    target = _next_tokens(input_ids if labels is None else labels, ignore_index)
     if attention_mask is not None:
         keep = nn.functional.pad(attention_mask, (0, 1), value=0)[..., 1:].bool()
         target = torch.where(keep, target, torch.full_like(target, ignore_index))
     state = model.__dict__.get("_flce_state")
     applied = {k: v for k, v in (state.options if state is not None else {}).items() if k in _LOGPROB_OPTIONS}
     options = _transform_options(model, SUPPORTED_MODEL_TYPES[model_type], applied)
-    # the sampling temperature divides the final logits, after a softcap: softcap(z) / T is the
-    # loss's temperature T with softcap c / T
-    options["temperature"] *= temperature
-    if options.get("softcap"):
-        options["softcap"] /= temperature
+    # the sampling temperature divides the final logits, after the model's softcap
+    options["temperature"], options["softcap"] = sampling_options(options["temperature"], options.get("softcap"),
+                                                                  temperature)
     options.update(ignore_index=ignore_index, reduction="none", return_entropy=True)
     head = model.get_output_embeddings()
     _install_head_forward(head)

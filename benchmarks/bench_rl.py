@@ -12,8 +12,7 @@ with z = x @ W.T, p = softmax(z / T) over the GLOBAL vocab, logp = log p[target]
 adv a fixed float32 N(0, 1) per-token advantage, beta = --beta, T = --temperature (a sampling temperature),
 bf16 inputs, target = the data mode's. Rows (``--impls``):
   flce_rl    flce_dist.logprobs_and_entropy(x, W_r, t, group=TP, temperature=T) -> (logp, entropy), float32, both
-             differentiable (a tree with only the long form: fused_linear_cross_entropy(..., reduction="none",
-             temperature=T, return_entropy=True) -> (loss, entropy), logp = -loss).
+             differentiable.
   flce_loss  the anchor (issue #16: flce_rl <= 1.10 x this row): fused_linear_cross_entropy(..., reduction="none",
              temperature=T), obj = (adv * -loss).sum(); no entropy (reduction="none": the recompute strategy).
   flce_mean  context: the default reduction="mean" loss at temperature T (the fused strategy), obj = loss.
@@ -57,7 +56,6 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
-import inspect
 import os
 import statistics
 import sys
@@ -117,18 +115,12 @@ def torch_rl(x, w, t, temp, group=None, start=0):
 
 
 def flce_rl_fn():
-    """flce_dist's (logp, entropy) call and the form it uses, or (None, the reason)."""
+    """flce_dist's (logp, entropy) call and its name, or (None, the reason) for an older tree."""
     if hasattr(flce_dist, "logprobs_and_entropy"):
-        def short_form(x, w, t, temp, group, *_):
+        def rl(x, w, t, temp, group, *_):
             return flce_dist.logprobs_and_entropy(x, w, t, group=group, temperature=temp)
-        return short_form, "logprobs_and_entropy"
-    if "return_entropy" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
-        def long_form(x, w, t, temp, group, *_):
-            loss, ent = flce_dist.fused_linear_cross_entropy(x, w, t, group=group, reduction="none", temperature=temp,
-                                                             return_entropy=True)
-            return -loss, ent
-        return long_form, "fused_linear_cross_entropy(return_entropy=True)"
-    return None, "flce_dist has neither logprobs_and_entropy nor return_entropy= (issue #16 not in this tree)"
+        return rl, "logprobs_and_entropy"
+    return None, "flce_dist has no logprobs_and_entropy (issue #16 not in this tree)"
 
 
 def liger_fn(dev, p, dtype):

@@ -51,7 +51,7 @@ from components.data import CORPUS_NAME, SequenceData, build_tokens  # noqa: E40
 from components import metrics  # noqa: E402
 from components.metrics import setup_logging, write_losses  # noqa: E402
 from components.model import build_model, lr_at, make_optimizer  # noqa: E402
-from components.parallelize import apply_compile, build_mesh, clip_grad_norm_, parallelize  # noqa: E402
+from components.parallelize import build_mesh, clip_grad_norm_, parallelize  # noqa: E402
 
 log = logging.getLogger("flce_dist.train")
 
@@ -129,10 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"model.vocab_size={vocab} is smaller than the tokenizer's vocabulary ({tok_vocab})")
 
     model = build_model(cfg, vocab).to(device)
-    if mesh is not None:
-        parallelize(model, mesh, par.sp, cfg.model.compile)
-    elif cfg.model.compile:
-        apply_compile(model, cfg.model.compile)
+    parallelize(model, mesh, par.sp, cfg.model.compile)
     opt = make_optimizer(model, t)
     log.info("model: LlamaForCausalLM %d layers, hidden %d, vocab %d%s; %s head; mesh dp=%d x tp=%d%s over %d rank(s); "
              "%s on %s", cfg.model.num_layers, cfg.model.hidden_size, vocab, " (tied)" if cfg.model.tie_word_embeddings else "",

@@ -96,13 +96,14 @@ def apply_compile(model: nn.Module, backend: str) -> None:
         layer.compile(backend=backend)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, sp: bool, compile_backend: str = "") -> nn.Module:
-    """Tensor parallelism, then ``torch.compile`` of the layers, then FSDP2 (torchtitan's order)."""
-    if mesh["tp"].size() > 1:
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, sp: bool, compile_backend: str = "") -> nn.Module:
+    """Tensor parallelism, then ``torch.compile`` of the layers, then FSDP2 (torchtitan's order);
+    ``mesh`` None (a single process): the compile step only."""
+    if mesh is not None and mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"], sp)
     if compile_backend:
         apply_compile(model, compile_backend)
-    if mesh["dp"].size() > 1:
+    if mesh is not None and mesh["dp"].size() > 1:
         apply_fsdp(model, mesh["dp"])
     return model
 

@@ -47,6 +47,7 @@ from .distributed.guard import call_guard, raise_if_failed, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
 from .options import FLCEParams
+from .vocab_order import VocabOrder
 
 
 def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Tensor:
@@ -169,6 +170,11 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded)."""
     n, _ = x.shape
     v = w.shape[0]
+    eps = p.options.filter_eps(x.dtype)
+    order = None
+    if eps and n:  # the gradient filter works on the shard sorted by mean logit (vocab_order.py)
+        order = VocabOrder.by_mean_logit(x, w, b, g.abs())
+        w, b, tl = order.rows(w), order.rows(b), order.targets(tl)
     stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
     dx = torch.empty_like(x)
     dw = torch.empty_like(w)  # the first chunk writes it (no zero fill), later chunks accumulate
@@ -181,7 +187,6 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     helion_logits = p.settings.logits_backend == "helion" and not K.cublas_logits(x)
     # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
-    eps = p.options.filter_eps(x.dtype)
     for i in range(0, n, rows):
         xc, tc = x[i:i + rows], tl[i:i + rows]
         z = zbuf[: xc.shape[0]]
@@ -212,6 +217,9 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             dw.addmm_(z.T, xc)
         if db is not None:
             db += z.sum(0, dtype=db.dtype)
+    if order is not None:  # back to the shard's row order (the sorted copy of W is released first)
+        w = b = zbuf = None
+        dw, db = order.restore(dw), order.restore(db)
     for h in handles:
         h.wait()
     if p.deterministic and not sp:
@@ -237,18 +245,24 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     handle = None
     out = dx
     eps = p.options.filter_eps(x.dtype)
-    if eps:  # the gradient filter's row scale: the rows' total gradient weight
+    order = None
+    if eps and n:  # the gradient filter's row scale (the rows' total gradient weight) and vocab order
         row_scale = g.abs() if gh is None else g.abs() + gh.abs()
+        order = VocabOrder.by_mean_logit(x, w, b, row_scale)
+        tl = order.targets(tl)
     if n == 0:
         v = 0
         dw.zero_()
         if db is not None:
             db.zero_()
     for j in range(0, v, cols):
-        wc = w[j:j + cols]
-        z = K.logits(x, wc, None if b is None else b[j:j + cols])
+        if order is None:
+            wc, bc = w[j:j + cols], None if b is None else b[j:j + cols]
+        else:  # this chunk's rows of the sorted shard (a chunk-sized copy)
+            wc, bc = order.rows(w, j, j + cols), order.rows(b, j, j + cols)
+        z = K.logits(x, wc, bc)
         keep = None
-        if eps:
+        if order is not None:
             keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
             K.dx_masked(z, wc, keep, dx, True, p.settings)
         else:
@@ -259,9 +273,11 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             if not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
         if keep is not None:
-            K.dw_masked(z, x, keep, dw[j:j + cols], False, p.settings)
-        else:
-            torch.mm(z.T, x, out=dw[j:j + cols])
+            order.put(dw, j, K.dw_masked(z, x, keep, torch.empty_like(wc), False, p.settings))
+            if db is not None:
+                order.put(db, j, z.sum(0, dtype=db.dtype))
+            continue
+        torch.mm(z.T, x, out=dw[j:j + cols])
         if db is not None:
             db[j:j + cols] = z.sum(0, dtype=db.dtype)
     if v == 0:

@@ -137,7 +137,7 @@ def entropy_case(ck, dev, group, *, n, h, v, dtype, sp, bias, use="both", seed=3
 
 def filter_case(ck, dev, group, *, n, h, v, dtype, strategy, eps=5e-2, seed=9):
     """grad_filter_eps under TP (uneven V): the mask is built after the global lse, so the loss is
-    the exact one and each gradient entry moves by at most the documented bound:
+    the exact one (up to summation order: each shard is sorted by mean logit) and each gradient entry moves by at most the documented bound:
     |dX err| <= eps * g_n * sum_v |W_vh|, |dW err| <= eps * sum_n g_n |x_nh| (g: the mean's weights)."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(seed)
@@ -154,7 +154,8 @@ def filter_case(ck, dev, group, *, n, h, v, dtype, strategy, eps=5e-2, seed=9):
         loss.backward()
         outs.append((loss.detach().cpu(), xs.grad.cpu().float(), ws.grad.cpu().float()))
     (l0, gx0, gw0), (l1, gx1, gw1) = outs
-    ck.true(f"{name}: loss unchanged", float(l0) == float(l1))
+    # the filter runs on each shard sorted by mean logit: the same loss up to summation order
+    ck.true(f"{name}: loss unchanged", abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0)))
     ck.true(f"{name}: something was skipped", float((gx1 - gx0).abs().max()) > 0)
     gr = 1.0 / n
     bx = eps * gr * w.abs().sum(0)[None, :]

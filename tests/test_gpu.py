@@ -216,9 +216,10 @@ def test_grad_filter_on_the_gpu(strategy):
 
     l0, gx0, gw0 = run(None)
     l1, gx1, gw1 = run(1e-30)
-    assert float(l1) == float(l0) and rel(gx1, gx0) < 1e-2 and rel(gw1, gw0) < 1e-2
+    # the filter runs on the vocabulary sorted by mean logit: the same loss up to summation order
+    assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0)) and rel(gx1, gx0) < 1e-2 and rel(gw1, gw0) < 1e-2
     l2, gx2, gw2 = run("auto")
-    assert float(l2) == float(l0)
+    assert abs(float(l2) - float(l0)) <= 1e-5 * abs(float(l0))
     valid = (t != -100).reshape(-1)
     g = valid.float() / valid.sum()
     eps = 2.0**-12

@@ -263,26 +263,28 @@ def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch
 
 
 def _masked_mm(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-               block_m: int, block_k: int, settings: Settings) -> torch.Tensor:
+               block_m: int, block_k: int, settings: Settings, variant: str) -> torch.Tensor:
     if a.numel() == 0:
         return out if accumulate else out.zero_()
     if _torch_masked(a.dtype, *a.shape, b.shape[1]):
         from .masked_mm import masked_mm_reference
 
         return masked_mm_reference(a, b, keep, out, accumulate, block_m, block_k)
-    return _launch("masked_mm", (a, b, keep, out, bool(accumulate)), a.device, a.dtype, settings,
-                   blocks={"block_m": block_m, "block_k": block_k})
+    from .masked_mm import compact
+
+    return _launch("masked_mm", (a, b, *compact(keep), out, bool(accumulate)), a.device, a.dtype, settings,
+                   variant, blocks={"block_m": block_m, "block_k": block_k})
 
 
 def dx_masked(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
               settings: Settings) -> torch.Tensor:
     """``out (+)= dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py)."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings)
+    return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings, "dx")
 
 
 def dw_masked(dz: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
               settings: Settings) -> torch.Tensor:
     """``out (+)= dz.T @ x`` over the kept blocks of ``dz``: the same kernel on the transposed views."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings)
+    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings, "dw")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -53,6 +53,13 @@ for w in ${*:-tests bench}; do
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
     rl) timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40} ;;
     tprl) timeout ${RL_TIMEOUT:-480} torchrun --nproc_per_node="$ngpu" benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/bench_rl_tp.log" | tail -${RL_TAIL:-40} ;;
+    filterprobe) timeout 300 python3 benchmarks/filter_probe.py --shapes ${PROBE_SHAPES:-llama3} --write-config configs/helion/h200.json --out "$OUT" 2>&1 | flt | tee "$OUT/filter_probe.log" | tail -${PROBE_TAIL:-30}; cp configs/helion/h200.json "$OUT/" ;;
+    benchfilter) timeout 330 python3 benchmarks/bench.py --impls ${BENCH_IMPLS:-flce,flce_filter,cce,cce_exact} --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_filter.log" | tail -${BENCH_TAIL:-30} ;;
+    filtertrain) for e in "" auto; do tag=${e:-exact}  # the small model's loss curve, exact vs grad_filter_eps="auto" (1 GPU)
+             NGPU=1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --overwrite --set parallel.tp=1 \
+               --set training.steps=${TRAIN_STEPS:-200} --set model.grad_filter_eps=\"$e\" --set job.out_dir=\"runs/gpu_filter_$tag\" --set job.progress=\"off\" \
+               --set checkpoint.ckpt_every=0 2>&1 | flt > "$OUT/train_filter_$tag.log"; cp runs/gpu_filter_$tag/losses.json "$OUT/losses_filter_$tag.json"; tail -1 "$OUT/train_filter_$tag.log"; done
+             python3 benchmarks/compare_losses.py "$OUT/losses_filter_exact.json" "$OUT/losses_filter_auto.json" 2>&1 | tee "$OUT/filter_curve.txt" | tail -4 ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;
   esac
 done

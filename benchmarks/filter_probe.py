@@ -136,6 +136,9 @@ CFGS = [(op, blk, cfg) for op in ("dX", "dW") for blk, cfg in (
     ((128, 64, 256), dict(num_warps=8, num_stages=4, l2_groupings=[8])),
     ((128, 128, 256), dict(num_warps=8, num_stages=3)),
     ((64, 128, 256), dict(num_warps=8, num_stages=3)),
+    ((128, 64, 256), dict(num_warps=4, num_stages=4)),
+    ((128, 64, 128), dict(num_warps=4, num_stages=5)),
+    ((128, 64, 256), dict(num_warps=8, num_stages=5)),
 )]
 
 

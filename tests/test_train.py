@@ -293,6 +293,16 @@ def test_config_overrides_and_errors():
     with pytest.raises(ValueError, match=r"training\.optimizer_impl must be one of"):
         _load('optimizer_impl="apex"')
     assert _load('optimizer_impl="fused"').training.optimizer_impl == "fused"
+    from components.config import filter_eps
+
+    assert filter_eps(_load('grad_filter_eps="auto"').model) == "auto" and filter_eps(_load().model) is None
+    assert filter_eps(_load('grad_filter_eps="1e-4"').model) == 1e-4
+    with pytest.raises(ValueError, match=r"model\.grad_filter_eps must be .*'fast'"):
+        _load('grad_filter_eps="fast"')
+    with pytest.raises(ValueError, match=r"model\.grad_filter_eps must be .*'2'"):
+        _load('grad_filter_eps="2"')
+    with pytest.raises(ValueError, match=r"grad_filter_eps needs model\.head = 'flce'"):
+        _load('grad_filter_eps="auto"', 'head="torch"')
     with pytest.raises(ValueError, match=r"batch_size=4 must be divisible by parallel\.dp=3"):
         _load("parallel.dp=3")
     with pytest.raises(ValueError, match=r"batch_size must be >= 1"):

@@ -52,6 +52,9 @@ class ModelConfig:
     initializer_range: float = 0.02
     attn_implementation: str = "sdpa"
     tie_word_embeddings: bool = False
+    # the flce head's opt-in gradient filter (flce_dist grad_filter_eps): "" exact, "auto" (2^-12 for a
+    # bf16 loss) or a number, e.g. "1e-4"; the loss value itself is always exact
+    grad_filter_eps: str = ""
     # torch.compile each decoder layer after tensor parallelism, before FSDP2 (torchtitan's order):
     # "" (off), "inductor" (the GPU choice) or "aot_eager" (graph capture only: what CPU tests run)
     compile: str = ""
@@ -201,6 +204,25 @@ def apply_set(cfg: Config, item: str) -> None:
     _set(cfg, section, name, _parse_value(text))
 
 
+def filter_eps(m: ModelConfig) -> float | str | None:
+    """``model.grad_filter_eps`` as flce_dist's ``grad_filter_eps`` (None, "auto" or a float), checked
+    by flce_dist's own option check; a ValueError names the config key."""
+    text = m.grad_filter_eps.strip()
+    if not text:
+        return None
+    try:
+        value = text if text == "auto" else float(text)
+        from flce_dist import LossOptions
+
+        LossOptions(grad_filter_eps=value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config key model.grad_filter_eps must be '', 'auto' or a number in [0, 1), got "
+                         f"{m.grad_filter_eps!r} ({e})") from None
+    if m.head != "flce":
+        raise ValueError(f"config key model.grad_filter_eps needs model.head = 'flce', got {m.head!r}")
+    return value
+
+
 def load_config(path: str | None, sets: list[str] = (), environ: dict[str, str] | None = None) -> Config:
     """Defaults, then the TOML file, then ``--set`` items, then ``FAIL_AT_STEP`` from the environment."""
     cfg = Config()
@@ -220,6 +242,7 @@ def load_config(path: str | None, sets: list[str] = (), environ: dict[str, str] 
     out = Path(cfg.job.out_dir)
     cfg.job.losses_file = cfg.job.losses_file or str(out / "losses.json")
     cfg.checkpoint.ckpt_dir = cfg.checkpoint.ckpt_dir or str(out / "checkpoints")
+    filter_eps(cfg.model)  # a bad model.grad_filter_eps fails here, before any model is built
     if cfg.training.batch_size < 1:
         raise ValueError(f"training.batch_size must be >= 1, got {cfg.training.batch_size}")
     if cfg.training.steps < 0:

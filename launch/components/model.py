@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .config import Config, TrainingConfig
+from .config import Config, TrainingConfig, filter_eps
 
 IGNORE = -100
 
@@ -33,10 +33,10 @@ class CausalLM(torch.nn.Module):
     """``model`` (LlamaModel) + ``lm_head`` of a LlamaForCausalLM (same state-dict keys), with the
     loss in ``forward``. ``tp_mesh``/``sp`` are set by ``parallelize``."""
 
-    def __init__(self, hf, head: str, bf16: bool) -> None:
+    def __init__(self, hf, head: str, bf16: bool, grad_filter_eps: float | str | None = None) -> None:
         super().__init__()
         self.model, self.lm_head, self.config = hf.model, hf.lm_head, hf.config
-        self.head, self.bf16 = head, bf16
+        self.head, self.bf16, self.grad_filter_eps = head, bf16, grad_filter_eps
         self.tp_mesh: DeviceMesh | None = None
         self.sp = False
 
@@ -57,26 +57,28 @@ class CausalLM(torch.nn.Module):
             hidden = self.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
         with torch.profiler.record_function(f"head.{self.head}"):  # named in job.profile_step's tables
             if self.head == "flce":
-                return flce_loss(hidden, self.lm_head.weight, labels, self.bf16)
+                return flce_loss(hidden, self.lm_head.weight, labels, self.bf16, self.grad_filter_eps)
             with amp:
                 logits = self.lm_head(hidden)
             # DTensor logits Shard(-1): F.cross_entropy runs vocab-parallel inside loss_context()
             return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1), ignore_index=IGNORE)
 
 
-def flce_loss(hidden, weight, labels: torch.Tensor, bf16: bool) -> torch.Tensor:
+def flce_loss(hidden, weight, labels: torch.Tensor, bf16: bool, grad_filter_eps: float | str | None = None) -> torch.Tensor:
     """flce_dist's fused, vocab-parallel loss, handed the DTensors themselves: ``weight`` is the
     ``Shard(0)`` lm_head weight on the tp mesh (flce_dist reads the tp group and every shard's
     ``vocab_start`` off it, DTensor's ``torch.chunk`` split included), ``hidden`` is a plain tensor
     (replicated over tp) or a ``Shard(1)`` DTensor (sequence parallelism, detected from the
     placement; flce_dist slices the global ``labels`` like it). Gradients come back as DTensors
     with the inputs' placements; the loss is a plain tensor, the same on every tp rank. At tp=1
-    everything is plain and this is the single-rank call."""
+    everything is plain and this is the single-rank call. ``grad_filter_eps``: flce_dist's opt-in
+    gradient filter (``model.grad_filter_eps``)."""
     import flce_dist
 
     if bf16:  # the fused loss in bf16; the cast is differentiable, the master weight stays fp32
         hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
-    return flce_dist.fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE)
+    return flce_dist.fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE,
+                                                grad_filter_eps=grad_filter_eps)
 
 
 def build_model(cfg: Config, vocab: int) -> CausalLM:
@@ -98,7 +100,7 @@ def build_model(cfg: Config, vocab: int) -> CausalLM:
     if m.tie_word_embeddings:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     torch.manual_seed(cfg.job.seed + 1)  # the same global RNG state after either head
-    return CausalLM(hf, m.head, cfg.training.dtype == "bf16")
+    return CausalLM(hf, m.head, cfg.training.dtype == "bf16", filter_eps(m))
 
 
 def _kind(p: torch.Tensor) -> str:

@@ -130,15 +130,15 @@ def expand(keep, m, k, bm, bk):
     return expand_keep(keep, m, k, bm, bk)
 
 
-CFGS = [(op, blk, cfg) for op in ("dX", "dW") for blk, cfg in (
-    ((128, 64, 256), dict(num_warps=8, num_stages=3)),
-    ((128, 64, 128), dict(num_warps=8, num_stages=4)),
-    ((128, 64, 256), dict(num_warps=8, num_stages=4, l2_groupings=[8])),
-    ((128, 128, 256), dict(num_warps=8, num_stages=3)),
-    ((64, 128, 256), dict(num_warps=8, num_stages=3)),
-    ((128, 64, 256), dict(num_warps=4, num_stages=4)),
-    ((128, 64, 128), dict(num_warps=4, num_stages=5)),
+CFGS = [(op, blk, cfg) for op in ("dX", "dW") for blk, cfg in (  # run 15's third list (the first two: NOTES)
     ((128, 64, 256), dict(num_warps=8, num_stages=5)),
+    ((128, 64, 256), dict(num_warps=8, num_stages=4, l2_groupings=[8])),
+    ((128, 64, 256), dict(num_warps=8, num_stages=5, l2_groupings=[8])),
+    ((128, 64, 128), dict(num_warps=8, num_stages=5)),
+    ((128, 64, 128), dict(num_warps=8, num_stages=6)),
+    ((64, 128, 256), dict(num_warps=8, num_stages=4)),
+    ((64, 128, 128), dict(num_warps=8, num_stages=5)),
+    ((128, 128, 256), dict(num_warps=8, num_stages=4)),
 )]
 
 

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import math
 import os
 import shutil
 import signal
@@ -195,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_steps = min(job.log_every, max(0, t.steps - start_step - 1))  # compile/warm-up excluded from steady state
     t_start = t_log = t_steady = time.perf_counter()
     window = 0
+    pending = metrics.PendingSteps()
     if use_cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for step in range(start_step + 1, t.steps + 1):
@@ -204,7 +204,6 @@ def main(argv: list[str] | None = None) -> int:
                 if use_cuda:
                     torch.cuda.synchronize(device)
                 t_steady = time.perf_counter()
-            t0 = time.perf_counter()
             batch = data.batch(position, t.batch_size, dp_rank, par.dp).to(device, non_blocking=True)
             position += t.batch_size
             lr = lr_at(step, sched_t)
@@ -216,28 +215,30 @@ def main(argv: list[str] | None = None) -> int:
             gnorm = clip_grad_norm_(model, t.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            value = global_loss(loss, mesh)
-            if not math.isfinite(value):
-                raise FloatingPointError(f"loss is {value} at step {step}")
-            losses.append(value)
+            pending.add(step, global_loss(loss, mesh), gnorm)  # read back at log steps (one sync there)
             window += 1
-            bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tokens_per_step / max(time.perf_counter() - t0, 1e-9):,.0f}", refresh=False)
             bar.update(1)
-            if step % job.log_every == 0 or step == t.steps:
+            saving = ck.ckpt_every > 0 and (step % ck.ckpt_every == 0 or step == t.steps)
+            if step % job.log_every == 0 or step == t.steps or saving:
+                value, gn = pending.flush(losses)  # raises FloatingPointError at a non-finite loss
                 now = time.perf_counter()
-                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", step, t.steps, value, lr, gnorm,
-                         window * tokens_per_step / max(now - t_log, 1e-9))
-                t_log, window = now, 0
-            if ck.ckpt_every > 0 and (step % ck.ckpt_every == 0 or step == t.steps):
+                bar.set_postfix(loss=f"{value:.4f}", refresh=False)
+                if step % job.log_every == 0 or step == t.steps:
+                    log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", step, t.steps, value, lr, gn,
+                             window * tokens_per_step / max(now - t_log, 1e-9))
+                    t_log, window = now, 0
+            if saving:
                 ckpt.save_checkpoint(ckpt_dir, step, {"position": position, "losses": losses, "layout": layout,
                                                       "schedule": schedule, "config": cfg.to_dict()},
                                       model, opt, pg, rank, ck.keep)
                 if rank == 0:
                     write_losses(Path(job.losses_file), losses, extra)
             if cfg.fault.fail_at_step and step == cfg.fault.fail_at_step and rank == fail_rank and restart == 0:
+                pending.flush(losses)
                 log.warning("fault injection: rank %d kills itself after step %d (FAIL_AT_STEP)", rank, step)
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
+    pending.flush(losses)
     bar.close()
     finish(cfg, device, use_cuda, pg, rank, losses, extra, resumed_from, tokens_per_step, t_start, t_steady, warm_steps, start_step)
     return 0
@@ -266,15 +267,16 @@ def step_errors(step: int, timeout_s: float):
         raise RuntimeError(f"step {step}: {type(e).__name__}: {text}{hint}") from e
 
 
-def global_loss(loss: torch.Tensor, mesh) -> float:
-    """The loss of the whole global batch: the mean of the dp ranks' (equal-sized) batch means."""
+def global_loss(loss: torch.Tensor, mesh) -> torch.Tensor:
+    """The loss of the whole global batch: the mean of the dp ranks' (equal-sized) batch means, as a
+    device scalar (no host sync)."""
     from torch.distributed.tensor import DTensor
 
     v = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().float().reshape(1)
     if mesh is not None and mesh["dp"].size() > 1:
         dist.all_reduce(v, group=mesh["dp"].get_group())  # SUM (gloo has no AVG)
         v = v / mesh["dp"].size()
-    return float(v)
+    return v
 
 
 def finish(cfg, device, use_cuda, pg, rank, losses, extra, resumed_from, tokens_per_step, t_start, t_steady, warm_steps,

@@ -151,6 +151,26 @@ def test_step_errors_names_the_step():
             raise FloatingPointError("loss is nan at step 7")
 
 
+def test_pending_steps_read_back_at_flush():
+    """The loop's per-step loss and grad norm stay on the device until a log step, a checkpoint or
+    the end: flush appends them in order, returns the last pair, and a non-finite loss raises
+    naming its step (before anything after it is saved)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    from components.metrics import PendingSteps
+
+    p, losses = PendingSteps(), [1.5]
+    assert p.flush(losses) is None
+    for step, v in ((2, 1.25), (3, 1.0)):
+        p.add(step, torch.tensor([v]), torch.tensor(0.5 * step))
+    assert p.flush(losses) == (1.0, 1.5) and losses == [1.5, 1.25, 1.0] and p.flush(losses) is None
+    p.add(4, torch.tensor(0.75), torch.tensor(1.0))
+    p.add(5, torch.tensor(float("nan")), torch.tensor(1.0))
+    p.add(6, torch.tensor(0.5), torch.tensor(1.0))
+    with pytest.raises(FloatingPointError, match="loss is nan at step 5"):
+        p.flush(losses)
+    assert losses[-1] == 0.75
+
+
 # ------------------------------------------------------------------ 2 gloo ranks, spawned in-process
 
 def _worker(rank: int, tmp: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,34 @@ def setup_logging(rank: int) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+class PendingSteps:
+    """Per-step loss and gradient norm kept on the device and read back in one host sync at a log
+    step, a checkpoint and the end (torchtitan reads its metrics at log steps only), so a step's
+    host work overlaps the previous steps' kernels instead of waiting for them twice per step.
+    ``flush`` appends the values to ``losses`` and raises ``FloatingPointError`` naming the first
+    step whose loss is not finite (before a checkpoint could save what followed it)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self, step: int, loss: torch.Tensor, gnorm: torch.Tensor) -> None:
+        self.steps.append(step)
+        self.values.append(torch.stack([loss.detach().float().reshape(()), gnorm.detach().float().reshape(())]))
+
+    def flush(self, losses: list[float]) -> tuple[float, float] | None:
+        """(last loss, last grad norm) of the pending steps, now appended to ``losses``; None if none."""
+        if not self.steps:
+            return None
+        vals = torch.stack(self.values).cpu().tolist()  # the one sync
+        steps, self.steps, self.values = self.steps, [], []
+        for step, (value, _) in zip(steps, vals):
+            if not math.isfinite(value):
+                raise FloatingPointError(f"loss is {value} at step {step}")
+            losses.append(value)
+        return vals[-1][0], vals[-1][1]
 
 
 def write_losses(path: Path, losses: list[float], extra: dict) -> None:

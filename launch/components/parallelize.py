@@ -108,10 +108,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, sp: bool, compile_bac
     return model
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """The global gradient norm of the whole model (DTensor gradients count each element once:
     ``get_total_norm`` per kind of gradient, ``.full_tensor()`` of that scalar only, as torchtitan
-    does), and, with ``max_norm > 0``, ``clip_grads_with_norm_`` by it. Plain and DTensor gradients
+    does), and, with ``max_norm > 0``, ``clip_grads_with_norm_`` by it; returned as a device scalar. Plain and DTensor gradients
     (and DTensors on different meshes) are normed separately: foreach kernels refuse to mix them."""
     kinds: dict[str, list[nn.Parameter]] = {}
     for p in model.parameters():
@@ -123,9 +123,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
         n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
         sq.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
     if not sq:
-        return 0.0
+        return torch.zeros(())
     total = torch.stack(sq).sum().sqrt()
     if max_norm > 0:
         for ps in kinds.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
-    return float(total)
+    return total  # a device scalar: no host sync here (the loop reads it at log steps)

@@ -7,7 +7,8 @@ Part 1 (mask statistics, per shape, one chunk of ``--rows`` tokens of the realis
 fraction of (BN tokens x BV vocab) blocks of ``|dz|`` (per unit row weight) that hold an entry
 >= 2^-12, for the vocabulary in id order and sorted by the mean logit ``W @ mean(x)`` (as CCE does),
 with the target's ``-1`` (onehot) counted in the mask or handled apart (``noh``), and the fraction a
-per-token-tile prefix cut-off covers (sorted, ``noh``: every block up to the last kept one).
+per-token-tile prefix cut-off covers (sorted, ``noh``: every block up to the last kept one), and the
+L1 gradient mass per row that the skipped 128 x 64 blocks hold (``dropped_l1_*``).
 
 Part 2 (timings at llama3, one chunk): cuBLAS ``dz @ W`` and ``dz.T @ x`` against the ``masked_mm``
 kernel (an ``if keep`` around the K loop's dot) with a full mask, the realistic sorted mask of part 1
@@ -65,6 +66,16 @@ def mask_stats(shape: str, rows: int, device, keep_hot: dict) -> dict:
             out[f"sorted_{name}_{bn}x{bv}"] = round(ks.float().mean().item(), 4)
             if name == "noh":
                 out[f"prefix_noh_{bn}x{bv}"] = round((prefix_of(ks).float() / ks.shape[1]).mean().item(), 4)
+    # what the filter drops: the L1 gradient mass per row (|softmax - onehot|) in the skipped blocks of
+    # the shipped mask shape (128 x 64, sorted), against the row's total L1 mass
+    bn, bv = 128, 64
+    ks = block_any(hot_oh[:, order], bn, bv)
+    kept = ks.repeat_interleave(bn, 0)[:rows].repeat_interleave(bv, 1)[:, :v]
+    absd = (p - onehot.float()).abs()[:, order]
+    dropped = (absd * ~kept).sum(1)
+    out.update(dropped_l1_mean=round(dropped.mean().item(), 4), dropped_l1_median=round(dropped.median().item(), 4),
+               dropped_l1_max=round(dropped.max().item(), 4), row_l1_mean=round(absd.sum(1).mean().item(), 4))
+    del ks, kept, absd
     if shape == "llama3":
         keep_hot["sorted"] = hot_noh[:, order].contiguous()
     del z, p, onehot, hot_oh, hot_noh
@@ -142,6 +153,20 @@ CFGS = [(op, blk, cfg) for op in ("dX", "dW") for blk, cfg in (  # run 15's thir
 )]
 
 
+# run 15's fourth list: the shipped dX entry (to pair with) and dW variants around the shipped one,
+# persistent programs for dW's many short K loops (~3.5 kept token tiles per vocab tile per chunk)
+CFGS_DW = [("dX", (128, 64, 256), dict(num_warps=8, num_stages=5))] + [("dW", (128, 64, 256), c) for c in (
+    dict(num_warps=8, num_stages=4, l2_groupings=[8]),
+    dict(num_warps=8, num_stages=4, l2_groupings=[8], pid_type="persistent_interleaved"),
+    dict(num_warps=8, num_stages=4, pid_type="persistent_blocked"),
+    dict(num_warps=8, num_stages=3, l2_groupings=[8], pid_type="persistent_interleaved"),
+    dict(num_warps=8, num_stages=4, l2_groupings=[16]),
+    dict(num_warps=8, num_stages=4, l2_groupings=[4]),
+    dict(num_warps=4, num_stages=4, l2_groupings=[8]),
+)]
+CANDIDATES = {"all": CFGS, "dw": CFGS_DW}
+
+
 def write_config(res: list[dict], path: str) -> None:
     """The mask block (block_n, block_v) with the least dX + dW time on the realistic mask, and for each
     op its fastest block_h and Helion config at that block, as the ``masked_mm`` (dX) and
@@ -164,7 +189,7 @@ def write_config(res: list[dict], path: str) -> None:
         ms, bh, cfg, ratio, kept = best[(bn, bv, op)]
         block = {"block_n": bn, "block_v": bv, "block_h": bh}
         table[name] = {"bf16": {"block": block, "config": cfg, "how": (
-            f"filter_probe.py ({len(CFGS) // 2} candidates per op, realistic llama3 mask of {kept:.3f} kept blocks, "
+            f"filter_probe.py ({sum(1 for r in res if r['op'] == op and r.get('mask') == 'realistic')} candidates, realistic llama3 mask of {kept:.3f} kept blocks, "
             f"{torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}): {op} {ms:.3f} ms = {ratio:.3f}x the dense "
             "cuBLAS matmul")}}
     Path(path).write_text(json.dumps(table, indent=2) + "\n")
@@ -177,6 +202,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=2816)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--skip-stats", action="store_true")
+    ap.add_argument("--candidates", default="all", choices=list(CANDIDATES))
     ap.add_argument("--out", default=None)
     ap.add_argument("--write-config", default=None, help="configs/helion/<arch>.json: store the fastest masked_mm "
                     "entries (one mask block shape for dX and dW, each op its own block_h and config)")
@@ -186,7 +212,7 @@ def main() -> None:
     stats = [] if a.skip_stats else [mask_stats(s, a.rows, dev, keep_hot) for s in a.shapes.split(",")]
     for s in stats:
         print(json.dumps(s), flush=True)
-    res = timings(a.rows, a.reps, keep_hot.get("sorted"), dev, CFGS)
+    res = timings(a.rows, a.reps, keep_hot.get("sorted"), dev, CANDIDATES[a.candidates])
     if a.write_config and any(r.get("mask") == "realistic" for r in res):
         write_config(res, a.write_config)
     if a.out:

@@ -27,6 +27,14 @@ Two strategies share every kernel and collective:
     3 matmuls in all; backward only scales the stored dX, dW by grad_output (in place; a second
     backward through the same graph recomputes). All ranks plan the same chunks.
 
+Gradient filter (``grad_filter_eps``, opt-in): both strategies first sort this rank's shard by mean
+logit (``vocab_order.py``: W[perm], b[perm], targets through inv; no collective), record per
+(row, vocab tile) max |dz| in the chunk_grad_ pass, build the block mask against eps x the row's
+gradient weight (after the global lse: the same decision under TP), run dX and dW as block-sparse
+Helion matmuls over the kept blocks (``kernels/masked_mm.py``) and return dW, db in the shard's
+own row order. Same collectives and matmul count; memory + one sorted copy of W_r (fused) or of a
+vocab chunk (recompute).
+
 Memory: one logits chunk (``chunking.chunk_rows``) plus dX/dW; never [N, V_r].
 
 Determinism: no atomics anywhere; every reduction is a fixed-order tile reduction, a torch

@@ -50,7 +50,7 @@ from components.data import CORPUS_NAME, SequenceData, build_tokens  # noqa: E40
 from components import metrics  # noqa: E402
 from components.metrics import setup_logging, write_losses  # noqa: E402
 from components.model import build_model, lr_at, make_optimizer  # noqa: E402
-from components.parallelize import build_mesh, clip_grad_norm_, parallelize  # noqa: E402
+from components.parallelize import build_mesh, clip_grad_norm_, parallelize, reduce_partial_grads_  # noqa: E402
 
 log = logging.getLogger("flce_dist.train")
 
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             with model.loss_context():  # loss_parallel() for the torch head under tp
                 loss = model(batch)
                 loss.backward()
+            reduce_partial_grads_(model)  # the norms' Partial grads under sp: one all-reduce, not one per read
             gnorm = clip_grad_norm_(model, t.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -47,7 +47,10 @@ class VocabOrder:
         return None if t is None else t.index_select(0, self.perm[start:end])
 
     def targets(self, tl: torch.Tensor) -> torch.Tensor:
-        """Shard-local target ids (-1: not here) as positions in the sorted order (int32 kept)."""
+        """Shard-local target ids (-1: not here) as positions in the sorted order (int32 kept). An
+        empty shard (DTensor's split can leave the last rank none) has no targets to map."""
+        if self.inv.numel() == 0:
+            return tl
         return torch.where(tl >= 0, self.inv[tl.clamp(min=0).long()].to(tl.dtype), tl)
 
     def restore(self, t: torch.Tensor | None) -> torch.Tensor | None:

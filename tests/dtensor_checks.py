@@ -124,7 +124,7 @@ def case(ck, dev, mesh, tp_dim, *, b=2, t=7, h=40, v=53, split="chunk", hidden_k
     wr = w.to(dtype).double().clone().requires_grad_()
     br = bb.to(dtype).double().clone().requires_grad_() if bias else None
     hr = torch.tanh(torch.nn.functional.embedding(ids, wr) + xr) if tied else xr
-    ref_opts = {k: val for k, val in opts.items() if k not in ("strategy", "deterministic")}
+    ref_opts = {k: val for k, val in opts.items() if k not in ("strategy", "deterministic", "grad_filter_eps")}
     ref, ref_lse = reference_loss(hr, wr, tgt, bias=br, reduction=reduction, return_lse=True, **ref_opts)
     ref.backward(go if reduction == "none" else None)
     lt, gt = (1e-5, 1e-4) if dtype != torch.bfloat16 else (1e-2, 1e-2)
@@ -257,6 +257,11 @@ def main() -> int:
                     for split in ("chunk", "vocab_shard"):
                         case(ck, dev, mesh, d, v=v, split=split)
                         case(ck, dev, mesh, d, v=v, split=split, hidden_kind="seq", reduction="none")
+                # the gradient filter's path (vocab order, block mask) on every split, the empty last
+                # chunk included; a tiny eps keeps every block, so the exact reference applies
+                case(ck, dev, mesh, d, v=vs[-1], split="chunk", grad_filter_eps=1e-30, seed=8)
+                case(ck, dev, mesh, d, v=vs[-1], split="chunk", hidden_kind="seq", reduction="none",
+                     grad_filter_eps=1e-30, seed=8)
                 if full:
                     for hk in ("replicate", "seq"):
                         for red in ("mean", "sum", "none"):

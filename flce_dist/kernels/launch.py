@@ -259,7 +259,7 @@ def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch
     thresh = eps * row_scale.to(torch.float32)
     hit = (absmax >= thresh[None, :]) & (thresh > 0)[None, :]  # [n_vt, Nc]
     hit = torch.cat([hit, hit.new_zeros(hit.shape[0], -n % bn)], 1)
-    return hit.view(hit.shape[0], -1, bn).any(2).T.contiguous()
+    return hit.view(hit.shape[0], hit.shape[1] // bn, bn).any(2).T.contiguous()  # explicit sizes: an empty shard has 0 tiles
 
 
 def _masked_mm(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,

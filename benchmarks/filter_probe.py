@@ -83,16 +83,10 @@ def mask_stats(shape: str, rows: int, device, keep_hot: dict) -> dict:
     return out
 
 
-def kernels():
-    import helion
-    from flce_dist.kernels.masked_mm import masked_mm
-
-    return helion, masked_mm
-
-
 def timings(rows: int, reps: int, hot: torch.Tensor | None, device, cfgs: list) -> list[dict]:
-    helion, masked_mm = kernels()
-    from flce_dist.kernels.masked_mm import compact
+    import helion
+
+    from flce_dist.kernels.masked_mm import compact, expand_keep, masked_mm
 
     h, v = SHAPES["llama3"]
     g = torch.Generator(device=device).manual_seed(0)
@@ -123,7 +117,7 @@ def timings(rows: int, reps: int, hot: torch.Tensor | None, device, cfgs: list) 
                 bound = masked_mm.bind(args)
                 bound.set_config(helion.Config(**cfg))
                 bound(*args)
-                ref = torch.mm(torch.where(expand(kk, *a.shape, bm, bk), a, 0).float(), b.float())
+                ref = torch.mm(torch.where(expand_keep(kk, *a.shape, bm, bk), a, 0).float(), b.float())
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 ms = cuda_time_ms(lambda: bound(*args), reps)
                 res.append(dict(op=op, impl="masked_mm " + tag, mask=mname, kept=round(kept, 3), ms=ms,
@@ -133,12 +127,6 @@ def timings(rows: int, reps: int, hot: torch.Tensor | None, device, cfgs: list) 
                 print(f"FAILED masked_mm {op} {tag} {mname}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         print(f"done {op} {tag}", flush=True)
     return res
-
-
-def expand(keep, m, k, bm, bk):
-    from flce_dist.kernels.masked_mm import expand_keep
-
-    return expand_keep(keep, m, k, bm, bk)
 
 
 CFGS = [(op, blk, cfg) for op in ("dX", "dW") for blk, cfg in (  # run 15's third list (the first two: NOTES)

@@ -280,14 +280,16 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             out = dx.to(x.dtype)
             if not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
-        if keep is not None:
+        if keep is not None:  # sorted rows, written back to the shard's order
             order.put(dw, j, K.dw_masked(z, x, keep, torch.empty_like(wc), False, p.settings))
-            if db is not None:
-                order.put(db, j, z.sum(0, dtype=db.dtype))
-            continue
-        torch.mm(z.T, x, out=dw[j:j + cols])
+        else:
+            torch.mm(z.T, x, out=dw[j:j + cols])
         if db is not None:
-            db[j:j + cols] = z.sum(0, dtype=db.dtype)
+            dbc = z.sum(0, dtype=db.dtype)
+            if order is not None:
+                order.put(db, j, dbc)
+            else:
+                db[j:j + cols] = dbc
     if v == 0:
         out = dx.to(x.dtype)
         if not p.sequence_parallel and not p.deterministic:

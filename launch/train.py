@@ -219,12 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             pending.add(step, global_loss(loss, mesh), gnorm)  # read back at log steps (one sync there)
             window += 1
             bar.update(1)
+            logging_ = step % job.log_every == 0 or step == t.steps
             saving = ck.ckpt_every > 0 and (step % ck.ckpt_every == 0 or step == t.steps)
-            if step % job.log_every == 0 or step == t.steps or saving:
+            if logging_ or saving:
                 value, gn = pending.flush(losses)  # raises FloatingPointError at a non-finite loss
                 now = time.perf_counter()
                 bar.set_postfix(loss=f"{value:.4f}", refresh=False)
-                if step % job.log_every == 0 or step == t.steps:
+                if logging_:
                     log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s", step, t.steps, value, lr, gn,
                              window * tokens_per_step / max(now - t_log, 1e-9))
                     t_log, window = now, 0

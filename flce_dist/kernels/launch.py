@@ -280,11 +280,11 @@ def dx_masked(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.
               settings: Settings) -> torch.Tensor:
     """``out (+)= dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py)."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings, "dx")
+    return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings, "")  # the masked_mm entry itself
 
 
 def dw_masked(dz: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
               settings: Settings) -> torch.Tensor:
     """``out (+)= dz.T @ x`` over the kept blocks of ``dz``: the same kernel on the transposed views."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings, "dw")
+    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings, "dw")  # masked_mm_dw, else masked_mm

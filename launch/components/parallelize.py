@@ -162,8 +162,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     for ps in kinds.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in ps], 2.0)
         sq.append((n.full_tensor() if isinstance(n, DTensor) else n).float() ** 2)
-    if not sq:
-        return torch.zeros(())
+    if not sq:  # no gradients: a zero on the parameters' device (the loop stacks it with the loss)
+        return torch.zeros((), device=next((p.device for p in model.parameters()), None))
     total = torch.stack(sq).sum().sqrt()
     if max_norm > 0:
         for ps in kinds.values():

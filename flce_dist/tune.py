@@ -22,7 +22,7 @@ import torch
 from ._timing import DTYPES, cuda_time_ms
 from .kernels import launch as L
 from .kernels.chunk_grad import chunk_grad_
-from .kernels.chunk_stats import chunk_stats
+from .kernels.chunk_stats import chunk_stats_partials
 from .kernels.lse_forward import lse_forward_partials
 
 LSE_CANDIDATES = [
@@ -37,13 +37,16 @@ LSE_STORE_CANDIDATES = [
          config=dict(num_warps=8, num_stages=ns, indexing="tensor_descriptor", l2_groupings=[8], pid_type=pid))
     for (bn, bv), ns, pid in itertools.product([(128, 256), (256, 128), (128, 128)], [3, 4], ["flat", "persistent_interleaved"])
 ]
+# chunk_stats (split-vocab partials, run 16): 256-wide tiles keep a bf16 row tile inside one warp;
+# the splits give a 2816-row chunk enough programs (run 2's row-tile-only grid ran at ~1 TB/s)
 STATS_CANDIDATES = [
-    dict(block=dict(block_n=bn, block_v=bv), config=dict(num_warps=nw, num_stages=2))
-    for bn, bv, nw in [(1, 2048, 8), (2, 2048, 8), (4, 1024, 8), (4, 2048, 16), (8, 512, 8), (8, 1024, 8)]
-]
+    dict(block=dict(block_n=bn, block_s=bs, block_v=bv), config=dict(num_warps=nw, num_stages=ns))
+    for (bn, bv), bs, nw, ns in itertools.product([(8, 256), (16, 256), (32, 256)], [8192, 32768], [4, 8], [2, 3])
+] + [dict(block=dict(block_n=bn, block_s=16384, block_v=512), config=dict(num_warps=8, num_stages=3)) for bn in (8, 16)]
 GRAD_CANDIDATES = [
     dict(block=dict(block_n=bn, block_v=bv), config=dict(num_warps=nw, num_stages=2))
-    for bn, bv, nw in [(32, 256, 8), (64, 128, 8), (16, 512, 8), (64, 256, 8), (32, 512, 16), (8, 1024, 8)]
+    for bn, bv, nw in [(8, 1024, 8), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 8), (16, 512, 4),
+                       (16, 512, 8), (8, 512, 4), (32, 512, 8), (64, 128, 4)]
 ]
 
 
@@ -68,12 +71,12 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
          LSE_CANDIDATES, "lse_forward", mm),
         ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False, False),
          LSE_STORE_CANDIDATES, "lse_forward", smm),
-        ("chunk_stats", chunk_stats, (z, t[:rows], 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
+        ("chunk_stats", chunk_stats_partials, (z, t[:rows], 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
         ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]
 
 
-def search(n, h, v, dtype, rows=1024, store_rows=1536, only=()):
+def search(n, h, v, dtype, rows=2816, store_rows=2816, only=()):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, h, device=dev, dtype=dtype, generator=g)
@@ -84,7 +87,7 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536, only=()):
     zmm = _time(lambda: x[:rows] @ w.T)
     lse = torch.logsumexp(z.float(), 1)
     gw = torch.rand(rows, device=dev)
-    zs = torch.empty(store_rows, v, device=dev, dtype=dtype)  # the fused strategy's chunk (384 MiB at llama3)
+    zs = torch.empty(store_rows, v, device=dev, dtype=dtype)  # the fused strategy's chunk
     smm = _time(lambda: x[:store_rows] @ w.T)
     print(f"cuBLAS x@W.T {mm:.3f} ms;  chunk [{rows}, {v}] matmul {zmm:.3f} ms;  [{store_rows}, {v}] {smm:.3f} ms")
     best, how = {}, {}
@@ -100,7 +103,9 @@ def search(n, h, v, dtype, rows=1024, store_rows=1536, only=()):
                 print(f"  {name} {c} failed: {type(e).__name__}: {str(e)[:160]}")
                 continue
             results.append((ms, c))
-            print(f"  {name:12} {ms:8.3f} ms  x{ms / ref:5.2f} of its matmul  {c}")
+            moved = {"chunk_stats": 1, "chunk_grad": 2}.get(name, 0) * z.numel() * z.element_size()  # bytes read + written
+            bw = f"  {moved / ms / 1e9:5.2f} TB/s" if moved else ""
+            print(f"  {name:12} {ms:8.3f} ms  x{ms / ref:5.2f} of its matmul{bw}  {c}")
         if not results:
             print(f"  {name}: every candidate failed; its entry is left as it is")
             continue
@@ -120,6 +125,9 @@ def main():
     ap.add_argument("--n", type=int, default=8192, help="tokens (default 8192)")
     ap.add_argument("--h", type=int, default=4096, help="hidden size (default 4096)")
     ap.add_argument("--v", type=int, default=128256, help="vocabulary rows (default 128256)")
+    ap.add_argument("--rows", type=int, default=2816,
+                    help="token rows of the chunk the chunk kernels and the storing pass run on (default 2816: the "
+                         "fused strategy's chunk at llama3)")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="input dtype class (default bf16)")
     ap.add_argument("--out", default=str(L.DEFAULT_CONFIG_DIR / "h200.json"), help="config file to merge into")
     ap.add_argument("--shape-class", action="store_true",
@@ -127,7 +135,7 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated kernel entries to search (default: all); the others keep their entries")
     args = ap.parse_args()
     dt = DTYPES[args.dtype]
-    best, how = search(args.n, args.h, args.v, dt, only=tuple(filter(None, args.only.split(","))))
+    best, how = search(args.n, args.h, args.v, dt, rows=args.rows, store_rows=args.rows, only=tuple(filter(None, args.only.split(","))))
     path = Path(args.out)
     table = json.loads(path.read_text()) if path.is_file() else {}
     key = f"{args.dtype}@h{args.h}" if args.shape_class else args.dtype

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Small blocks so that reference mode runs several tiles in every tiled dimension.
 SMALL_BLOCKS = {
     "lse_forward": {"block_n": 16, "block_v": 32, "block_h": 32},
-    "chunk_stats": {"block_n": 8, "block_v": 32},
+    "chunk_stats": {"block_n": 8, "block_s": 64, "block_v": 32},
     "chunk_grad": {"block_n": 8, "block_v": 32},
     "masked_mm": {"block_n": 8, "block_v": 16, "block_h": 32},  # the gradient filter's blocks
 }

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
 
 SMALL_BLOCKS = {  # several tiles in every dimension (V = 97, H = 32, N = 2 * 9)
     "lse_forward": {"block_n": 8, "block_v": 32, "block_h": 16},
-    "chunk_stats": {"block_n": 8, "block_v": 32},
+    "chunk_stats": {"block_n": 8, "block_s": 64, "block_v": 32},
     "chunk_grad": {"block_n": 8, "block_v": 32},
 }
 VOCAB = 97

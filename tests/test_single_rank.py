@@ -29,7 +29,7 @@ GRAD_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float64: 1e-10}
 # 423 / 1000 / 10000), but far fewer reference-mode programs than the 8x32 tiles of small_tiles.
 MEDIUM_BLOCKS = {
     "lse_forward": {"block_n": 128, "block_v": 1024, "block_h": 256},
-    "chunk_stats": {"block_n": 64, "block_v": 768},
+    "chunk_stats": {"block_n": 64, "block_s": 2304, "block_v": 768},
     "chunk_grad": {"block_n": 64, "block_v": 768},
 }
 

@@ -1,23 +1,27 @@
-"""Per-row statistics of a materialised logits chunk (online softmax over vocab tiles).
+"""Per-row statistics of a materialised logits chunk, as partials over vocab splits.
 
 Algorithm, for a chunk ``z [Nc, V]`` of raw logits (cuBLAS ``x_chunk @ W.T (+ b)``):
 
-    for each token tile n (BN rows):                 # grid: Nc/BN programs
+    for each (token tile n, vocab split s)           # grid: (Nc/BN) x (V/BS) programs
         m, s, t, sy, e = -inf, 0, 0, 0, 0            # running max, sum-exp, target logit, sum,
                                                      # sum_v exp(y - m) * (y - m)  (entropy only)
-        for each vocab tile v (BV columns):          # loop
+        for each vocab tile v of the split (BV columns):  # loop, BS/BV iterations
             y  = transform(z[n, v])                  # scale, softcap, as in lse_forward
             m' = max(m, max_v y);  a = exp(m - m')
             e  = a * (e + (m - m') * s) + sum_v exp(y - m') * (y - m')
             s  = s * a + sum_v exp(y - m');  m = m'
             t += y[target] if the target is in this tile;  sy += sum_v y
-        lse[n] = m + log(s);  ent[n] = log(s) - e / s   # the chunk's softmax entropy
+        pmax[s, n], psum[s, n], ptgt[s, n], psumy[s, n], pent[s, n] = m, s, t, sy, e
 
-Returns ``lse [Nc]``, ``tgt [Nc]``, ``sumy [Nc]`` (zeros without ``with_sum``), the row max
-``ymax [Nc]`` (for token accuracy across shards) and ``ent [Nc]`` (zeros without ``with_ent``) in float32
-(float64 for float64 chunks, so that float64 gradchecks run through the same kernels).
-Out-of-bounds vocab columns are -inf for the max and 0 for the sums; out-of-bounds rows are not
-stored.
+The partials (``[ceil(V/BS), Nc]`` each, float32, float64 for float64 chunks so that float64
+gradchecks run through the same kernels) have ``lse_forward``'s layout and meaning (relative to the
+split's max), so ``lse_forward.merge_partials`` turns them into the ``[Nc, 4]`` / ``[Nc, 5]`` stats.
+Why splits: a grid over token tiles alone has Nc/BN programs (88 for a 2816-row chunk at BN=32) for
+132 SMs, and a wide vocab tile spreads one row over several warps, so every tile's max and sum
+cross warps through shared memory; ``block_v`` = 256 keeps a bf16 row tile inside one warp
+(8 elements per lane) and the splits give the grid its parallelism (benchmarks/NOTES.md, run 16).
+``block_s`` must be a multiple of ``block_v`` (``launch.chunk_stats`` rounds it). Out-of-bounds
+vocab columns are -inf for the max and 0 for the sums; out-of-bounds rows are not stored.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .common import SETTINGS
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)
-def chunk_stats(
+def chunk_stats_partials(
     z: torch.Tensor,
     target_local: torch.Tensor,
     scale: float,
@@ -39,23 +43,25 @@ def chunk_stats(
     with_sum: hl.constexpr,
     with_ent: hl.constexpr,
     block_n: hl.constexpr,
+    block_s: hl.constexpr,
     block_v: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, v = z.size()
     ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
-    lse = torch.empty([n], dtype=ct, device=z.device)
-    tgt = torch.empty([n], dtype=ct, device=z.device)
-    sumy = torch.empty([n], dtype=ct, device=z.device)
-    ymax = torch.empty([n], dtype=ct, device=z.device)
-    ent = torch.empty([n], dtype=ct, device=z.device)
-    for tile_n in hl.tile(n, block_size=block_n):
+    n_s = (v + block_s - 1) // block_s
+    pmax = torch.empty([n_s, n], dtype=ct, device=z.device)
+    psum = torch.empty([n_s, n], dtype=ct, device=z.device)
+    ptgt = torch.empty([n_s, n], dtype=ct, device=z.device)
+    psumy = torch.empty([n_s if with_sum else 1, n], dtype=ct, device=z.device)
+    pent = torch.empty([n_s if with_ent else 1, n], dtype=ct, device=z.device)
+    for tile_n, tile_s in hl.tile([n, v], block_size=[block_n, block_s]):
         m_i = hl.full([tile_n], float("-inf"), dtype=ct)
         s_i = hl.zeros([tile_n], dtype=ct)
         t_i = hl.zeros([tile_n], dtype=ct)
         sy_i = hl.zeros([tile_n], dtype=ct)
         e_i = hl.zeros([tile_n], dtype=ct)
         tgt_t = target_local[tile_n]
-        for tile_v in hl.tile(v, block_size=block_v):
+        for tile_v in hl.tile(tile_s.begin, tile_s.end, block_size=block_v):
             y = z[tile_n, tile_v].to(ct) * scale
             if softcap > 0:
                 y = softcap * torch.tanh(y / softcap)
@@ -73,15 +79,14 @@ def chunk_stats(
             t_i = t_i + torch.sum(torch.where(hit, y, 0.0), dim=1)
             if with_sum:
                 sy_i = sy_i + torch.sum(torch.where(valid, y, 0.0), dim=1)
-        lse[tile_n] = m_i + torch.log(s_i)
-        tgt[tile_n] = t_i
-        sumy[tile_n] = sy_i
-        ymax[tile_n] = m_i
+        pmax[tile_s.id, tile_n] = m_i
+        psum[tile_s.id, tile_n] = s_i
+        ptgt[tile_s.id, tile_n] = t_i
+        if with_sum:
+            psumy[tile_s.id, tile_n] = sy_i
         if with_ent:
-            ent[tile_n] = torch.log(s_i) - e_i / s_i
-        else:
-            ent[tile_n] = e_i
-    return lse, tgt, sumy, ymax, ent
+            pent[tile_s.id, tile_n] = e_i
+    return pmax, psum, ptgt, psumy, pent
 
 
 def chunk_stats_reference(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float,

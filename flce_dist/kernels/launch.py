@@ -41,7 +41,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "block": {"block_n": 256, "block_v": 128, "block_h": 64},
         "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8]},
     },
-    "chunk_stats": {"block": {"block_n": 4, "block_v": 1024}, "config": {"num_warps": 8, "num_stages": 2}},
+    "chunk_stats": {"block": {"block_n": 16, "block_s": 16384, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 3}},
     "chunk_grad": {"block": {"block_n": 32, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 2}},
     # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
     # (block_n, block_v: the filter's mask blocks, which the dX and dW launches map onto block_m, block_k)
@@ -49,12 +49,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
-    "chunk_stats": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
+    "chunk_stats": {"block": {"block_n": 512, "block_s": 65536, "block_v": 8192}, "config": {}},
     "chunk_grad": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
     "masked_mm": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
-BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_v"),
+BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_s", "block_v"),
                "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h")}
 
 
@@ -100,11 +100,11 @@ def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = 
 def _kernels() -> dict[str, Any]:
     """The Helion kernels, imported on first use (Helion reads HELION_INTERPRET when they are made)."""
     from .chunk_grad import chunk_grad_
-    from .chunk_stats import chunk_stats
+    from .chunk_stats import chunk_stats_partials
     from .lse_forward import lse_forward_partials
     from .masked_mm import masked_mm
 
-    return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats, "chunk_grad": chunk_grad_,
+    return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats_partials, "chunk_grad": chunk_grad_,
             "masked_mm": masked_mm}
 
 
@@ -166,9 +166,10 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
     (float64 for float64), ``[N, 5]`` with ``with_ent`` (plus the shard's softmax entropy); the logits
     are written to ``z_out`` [N, V] when given (the fused strategy), else never stored."""
-    if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x):
-        # size-1 dims (Helion 1.4 bug), float64 and CUDA float32: cuBLAS logits + chunk_stats,
-        # token chunk by token chunk when nothing asks for the logits (memory O(chunk))
+    if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x) or settings.logits_backend == "cublas":
+        # size-1 dims (Helion 1.4 bug), float64, CUDA float32 and Settings(logits_backend="cublas"):
+        # cuBLAS logits + chunk_stats, token chunk by token chunk when nothing asks for the logits
+        # (memory O(chunk))
         def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
             return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum, settings, with_ent)
 
@@ -196,9 +197,13 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
         from .chunk_stats import chunk_stats_reference
 
         return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)[:k], dim=1)
-    out = _launch("chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
-                  z.device, z.dtype, settings)
-    return torch.stack(out[:k], dim=1)
+    from .lse_forward import merge_partials
+
+    blk = entry("chunk_stats", z.device, z.dtype, settings=settings)["block"]
+    bs = max(blk["block_v"], blk["block_s"] // blk["block_v"] * blk["block_v"])
+    parts = _launch("chunk_stats", (z, target_local, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
+                    z.device, z.dtype, settings, blocks={"block_s": bs})  # the split a multiple of the tile
+    return merge_partials(*parts, with_sum, with_ent)
 
 
 def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,

@@ -37,12 +37,13 @@ LSE_STORE_CANDIDATES = [
          config=dict(num_warps=8, num_stages=ns, indexing="tensor_descriptor", l2_groupings=[8], pid_type=pid))
     for (bn, bv), ns, pid in itertools.product([(128, 256), (256, 128), (128, 128)], [3, 4], ["flat", "persistent_interleaved"])
 ]
-# chunk_stats (split-vocab partials, run 16): 256-wide tiles keep a bf16 row tile inside one warp;
-# the splits give a 2816-row chunk enough programs (run 2's row-tile-only grid ran at ~1 TB/s)
+# chunk_stats (split-vocab partials, two sweeps, run 16): 256-wide tiles keep a bf16 row tile inside
+# one warp; a program's split (BN x BS elements) is read twice, so it should stay in L2; the splits
+# also give a 2816-row chunk enough programs
 STATS_CANDIDATES = [
-    dict(block=dict(block_n=bn, block_s=bs, block_v=bv), config=dict(num_warps=nw, num_stages=ns))
-    for (bn, bv), bs, nw, ns in itertools.product([(8, 256), (16, 256), (32, 256)], [8192, 32768], [4, 8], [2, 3])
-] + [dict(block=dict(block_n=bn, block_s=16384, block_v=512), config=dict(num_warps=8, num_stages=3)) for bn in (8, 16)]
+    dict(block=dict(block_n=bn, block_s=bs, block_v=bv), config=dict(num_warps=nw, num_stages=2))
+    for (bn, bv), bs, nw in itertools.product([(8, 256), (16, 256), (32, 256), (16, 512)], [2048, 4096, 8192], [4, 8])
+] + [dict(block=dict(block_n=16, block_s=16384, block_v=256), config=dict(num_warps=8, num_stages=2))]
 GRAD_CANDIDATES = [
     dict(block=dict(block_n=bn, block_v=bv), config=dict(num_warps=nw, num_stages=2))
     for bn, bv, nw in [(8, 1024, 8), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 8), (16, 512, 4),
@@ -71,7 +72,7 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
          LSE_CANDIDATES, "lse_forward", mm),
         ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False, False),
          LSE_STORE_CANDIDATES, "lse_forward", smm),
-        ("chunk_stats", chunk_stats_partials, (z, t[:rows], 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
+        ("chunk_stats", chunk_stats_partials, (z, z.shape[1], 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
         ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]
 

@@ -1,27 +1,32 @@
 """Per-row statistics of a materialised logits chunk, as partials over vocab splits.
 
-Algorithm, for a chunk ``z [Nc, V]`` of raw logits (cuBLAS ``x_chunk @ W.T (+ b)``):
+Algorithm, for a chunk ``z [Nc, V]`` of raw logits (cuBLAS ``x_chunk @ W.T (+ b)``) and the
+transform ``y = T(z)`` (scale, then softcap: increasing, so ``max y = T(max z)``):
 
     for each (token tile n, vocab split s)           # grid: (Nc/BN) x (V/BS) programs
-        m, s, t, sy, e = -inf, 0, 0, 0, 0            # running max, sum-exp, target logit, sum,
-                                                     # sum_v exp(y - m) * (y - m)  (entropy only)
-        for each vocab tile v of the split (BV columns):  # loop, BS/BV iterations
-            y  = transform(z[n, v])                  # scale, softcap, as in lse_forward
-            m' = max(m, max_v y);  a = exp(m - m')
-            e  = a * (e + (m - m') * s) + sum_v exp(y - m') * (y - m')
-            s  = s * a + sum_v exp(y - m');  m = m'
-            t += y[target] if the target is in this tile;  sy += sum_v y
-        pmax[s, n], psum[s, n], ptgt[s, n], psumy[s, n], pent[s, n] = m, s, t, sy, e
+        acc_m[BN, BV] = -inf                         # sweep 1, lane-wise (no cross-lane work in the loop)
+        for each vocab tile v of the split:  acc_m = max(acc_m, z[n, v])
+        m = T(max over lanes of acc_m)               # the split's max of y, one reduction
+        acc_s = acc_sy = acc_e = 0                   # sweep 2 (the split re-read: from L2)
+        for each vocab tile v of the split:
+            y = T(z[n, v]);  p = exp(y - m)
+            acc_s += p;  acc_sy += y (label smoothing);  acc_e += p * (y - m) (entropy)
+        pmax[s, n], psum[s, n], psumy[s, n], pent[s, n] = m, sum(acc_s), sum(acc_sy), sum(acc_e)
 
-The partials (``[ceil(V/BS), Nc]`` each, float32, float64 for float64 chunks so that float64
-gradchecks run through the same kernels) have ``lse_forward``'s layout and meaning (relative to the
-split's max), so ``lse_forward.merge_partials`` turns them into the ``[Nc, 4]`` / ``[Nc, 5]`` stats.
-Why splits: a grid over token tiles alone has Nc/BN programs (88 for a 2816-row chunk at BN=32) for
-132 SMs, and a wide vocab tile spreads one row over several warps, so every tile's max and sum
-cross warps through shared memory; ``block_v`` = 256 keeps a bf16 row tile inside one warp
-(8 elements per lane) and the splits give the grid its parallelism (benchmarks/NOTES.md, run 16).
-``block_s`` must be a multiple of ``block_v`` (``launch.chunk_stats`` rounds it). Out-of-bounds
-vocab columns are -inf for the max and 0 for the sums; out-of-bounds rows are not stored.
+The target logit is one element per row: the caller gathers it (``launch.chunk_stats``) instead of
+comparing every column with the target. The partials (``[ceil(V/BS), Nc]`` each, float32; float64 for
+float64 chunks so that float64 gradchecks run through the same kernels) have ``lse_forward``'s layout
+and meaning (relative to the split's max), so ``lse_forward.merge_partials`` combines them.
+
+Why this shape (benchmarks/NOTES.md, run 16): the pass is a stream over the chunk and, on the H200,
+instruction-bound before it is memory-bound; an online softmax pays a max, an exp-rescale and two
+sums across lanes per tile. Lane-wise accumulators leave one reduction per split, the second sweep
+reads the split back from L2 (``BN x BS`` elements per program), and the splits give a
+2816-row chunk enough programs for 132 SMs. ``block_s`` must be a multiple of ``block_v``
+(``launch.chunk_stats`` rounds it). Columns at or past ``n_cols`` (the chunk's width; more only
+where reference mode gets ``z`` padded to whole tiles: it runs a partial tile at its true width, which
+a lane-wise ``[BN, BV]`` accumulator cannot take) are -inf for the max and 0 for the sums;
+out-of-bounds rows are not stored.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from .common import SETTINGS
 @helion.kernel(static_shapes=False, **SETTINGS)
 def chunk_stats_partials(
     z: torch.Tensor,
-    target_local: torch.Tensor,
+    n_cols: int,
     scale: float,
     softcap: hl.constexpr,
     with_sum: hl.constexpr,
@@ -45,48 +50,51 @@ def chunk_stats_partials(
     block_n: hl.constexpr,
     block_s: hl.constexpr,
     block_v: hl.constexpr,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, v = z.size()
     ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
     n_s = (v + block_s - 1) // block_s
     pmax = torch.empty([n_s, n], dtype=ct, device=z.device)
     psum = torch.empty([n_s, n], dtype=ct, device=z.device)
-    ptgt = torch.empty([n_s, n], dtype=ct, device=z.device)
     psumy = torch.empty([n_s if with_sum else 1, n], dtype=ct, device=z.device)
     pent = torch.empty([n_s if with_ent else 1, n], dtype=ct, device=z.device)
     for tile_n, tile_s in hl.tile([n, v], block_size=[block_n, block_s]):
-        m_i = hl.full([tile_n], float("-inf"), dtype=ct)
-        s_i = hl.zeros([tile_n], dtype=ct)
-        t_i = hl.zeros([tile_n], dtype=ct)
-        sy_i = hl.zeros([tile_n], dtype=ct)
-        e_i = hl.zeros([tile_n], dtype=ct)
-        tgt_t = target_local[tile_n]
+        acc_m = hl.full([tile_n, block_v], float("-inf"), dtype=ct)
         for tile_v in hl.tile(tile_s.begin, tile_s.end, block_size=block_v):
+            valid = (tile_v.index < n_cols)[None, :]
+            acc_m = torch.maximum(acc_m, torch.where(valid, z[tile_n, tile_v].to(ct), float("-inf")))
+        m = torch.amax(acc_m, dim=1) * scale
+        if softcap > 0:
+            m = softcap * torch.tanh(m / softcap)
+        acc_s = hl.zeros([tile_n, block_v], dtype=ct)
+        acc_sy = hl.zeros([tile_n, block_v], dtype=ct)
+        acc_e = hl.zeros([tile_n, block_v], dtype=ct)
+        for tile_v in hl.tile(tile_s.begin, tile_s.end, block_size=block_v):
+            valid = (tile_v.index < n_cols)[None, :]
             y = z[tile_n, tile_v].to(ct) * scale
             if softcap > 0:
                 y = softcap * torch.tanh(y / softcap)
-            valid = (tile_v.index < v)[None, :]
-            ym = torch.where(valid, y, float("-inf"))
-            m_new = torch.maximum(m_i, torch.amax(ym, dim=1))
-            e_ym = torch.exp(ym - m_new[:, None])
-            if with_ent:  # (m - m') * s is -inf * 0 on the first tile: 0 there
-                shift = torch.where(s_i > 0, (m_i - m_new) * s_i, 0.0)
-                e_i = torch.exp(m_i - m_new) * (e_i + shift) + torch.sum(
-                    torch.where(valid, e_ym * (y - m_new[:, None]), 0.0), dim=1)
-            s_i = s_i * torch.exp(m_i - m_new) + torch.sum(e_ym, dim=1)
-            m_i = m_new
-            hit = tile_v.index[None, :] == tgt_t[:, None]
-            t_i = t_i + torch.sum(torch.where(hit, y, 0.0), dim=1)
+            d = y - m[:, None]
+            p = torch.where(valid, torch.exp(d), 0.0)
+            acc_s = acc_s + p
             if with_sum:
-                sy_i = sy_i + torch.sum(torch.where(valid, y, 0.0), dim=1)
-        pmax[tile_s.id, tile_n] = m_i
-        psum[tile_s.id, tile_n] = s_i
-        ptgt[tile_s.id, tile_n] = t_i
+                acc_sy = acc_sy + torch.where(valid, y, 0.0)
+            if with_ent:
+                acc_e = acc_e + p * d
+        pmax[tile_s.id, tile_n] = m
+        psum[tile_s.id, tile_n] = torch.sum(acc_s, dim=1)
         if with_sum:
-            psumy[tile_s.id, tile_n] = sy_i
+            psumy[tile_s.id, tile_n] = torch.sum(acc_sy, dim=1)
         if with_ent:
-            pent[tile_s.id, tile_n] = e_i
-    return pmax, psum, ptgt, psumy, pent
+            pent[tile_s.id, tile_n] = torch.sum(acc_e, dim=1)
+    return pmax, psum, psumy, pent
+
+
+def target_logit(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """``T(z[n, target_local[n]])`` per row, 0 where ``target_local`` is -1 (no target in this shard)."""
+    hit = target_local >= 0
+    zt = z.gather(1, target_local.clamp(min=0).long()[:, None])[:, 0]
+    return torch.where(hit, transform(zt, scale, softcap), torch.zeros((), dtype=acc_dtype(z.dtype), device=z.device))
 
 
 def chunk_stats_reference(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float,

@@ -72,7 +72,7 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
          LSE_CANDIDATES, "lse_forward", mm),
         ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False, False),
          LSE_STORE_CANDIDATES, "lse_forward", smm),
-        ("chunk_stats", chunk_stats_partials, (z, z.shape[1], 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
+        ("chunk_stats", chunk_stats_partials, (z, 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
         ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]
 

@@ -68,9 +68,11 @@ def test_filter_mask_is_the_block_max_of_the_gradient(filter_tiles):
     dz = K.chunk_grad_(z.clone(), tl, lse, gw, **kw)
     z2 = z.clone()
     keep = K.chunk_grad_filtered_(z2, tl, lse, gw, gw, 3e-2, **kw)
-    assert torch.equal(z2, dz)
+    # the same dz up to rounding: with other tiles, reference mode's torch.exp2 splits its vectorised
+    # body and scalar tail differently
+    assert rel(z2, dz) < 1e-6
     bn, bv = K.masked_blocks(z.device, z.dtype, filter_tiles)
-    hit = (dz.abs() >= 3e-2 * gw[:, None]) & (gw > 0)[:, None]
+    hit = (z2.abs() >= 3e-2 * gw[:, None]) & (gw > 0)[:, None]
     n, v = dz.shape
     hit = torch.nn.functional.pad(hit, (0, -v % bv, 0, -n % bn))
     want = hit.view(hit.shape[0] // bn, bn, hit.shape[1] // bv, bv).any(3).any(1)

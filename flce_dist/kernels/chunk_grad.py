@@ -25,7 +25,7 @@ import helion.language as hl
 import torch
 
 from ..formulas import transform
-from .common import SETTINGS
+from .common import LOG2E, SETTINGS
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)
@@ -56,7 +56,7 @@ def chunk_grad_(
             y = softcap * torch.tanh(y / softcap)
         lse_t = lse[tile_n].to(ct)
         g_t = g[tile_n].to(ct)
-        p = torch.exp(y - lse_t[:, None])
+        p = torch.exp2(y * LOG2E - (lse_t * LOG2E)[:, None])  # exp(y - lse): kernels/common.py
         hit = tile_v.index[None, :] == target_local[tile_n][:, None]
         dy = (g_t * (1.0 + two_zl * lse_t))[:, None] * p - torch.where(
             hit, (g_t * one_minus_eps)[:, None], 0.0

@@ -9,7 +9,7 @@ transform ``y = T(z)`` (scale, then softcap: increasing, so ``max y = T(max z)``
         m = T(max over lanes of acc_m)               # the split's max of y, one reduction
         acc_s = acc_sy = acc_e = 0                   # sweep 2 (the split re-read: from L2)
         for each vocab tile v of the split:
-            y = T(z[n, v]);  p = exp(y - m)
+            y = T(z[n, v]);  p = exp(y - m)             # as exp2((y - m) log2 e): kernels/common.py
             acc_s += p;  acc_sy += y (label smoothing);  acc_e += p * (y - m) (entropy)
         pmax[s, n], psum[s, n], psumy[s, n], pent[s, n] = m, sum(acc_s), sum(acc_sy), sum(acc_e)
 
@@ -23,9 +23,9 @@ instruction-bound before it is memory-bound; an online softmax pays a max, an ex
 sums across lanes per tile. Lane-wise accumulators leave one reduction per split, the second sweep
 reads the split back from L2 (``BN x BS`` elements per program), and the splits give a
 2816-row chunk enough programs for 132 SMs. ``block_s`` must be a multiple of ``block_v``
-(``launch.chunk_stats`` rounds it). Columns at or past ``n_cols`` (the chunk's width; more only
-where reference mode gets ``z`` padded to whole tiles: it runs a partial tile at its true width, which
-a lane-wise ``[BN, BV]`` accumulator cannot take) are -inf for the max and 0 for the sums;
+(``launch.chunk_stats`` rounds it). The split's tiles are loaded at explicit column indices
+(``begin + j * BV + arange(BV)``, masked), so every tile has the accumulators' full ``[BN, BV]``
+shape, in reference mode too. Out-of-bounds columns are -inf for the max and 0 for the sums;
 out-of-bounds rows are not stored.
 """
 
@@ -36,13 +36,12 @@ import helion.language as hl
 import torch
 
 from ..formulas import acc_dtype, transform
-from .common import SETTINGS
+from .common import LN2, LOG2E, SETTINGS
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)
 def chunk_stats_partials(
     z: torch.Tensor,
-    n_cols: int,
     scale: float,
     softcap: hl.constexpr,
     with_sum: hl.constexpr,
@@ -59,34 +58,39 @@ def chunk_stats_partials(
     psumy = torch.empty([n_s if with_sum else 1, n], dtype=ct, device=z.device)
     pent = torch.empty([n_s if with_ent else 1, n], dtype=ct, device=z.device)
     for tile_n, tile_s in hl.tile([n, v], block_size=[block_n, block_s]):
+        in_n = (tile_n.index < n)[:, None]
         acc_m = hl.full([tile_n, block_v], float("-inf"), dtype=ct)
-        for tile_v in hl.tile(tile_s.begin, tile_s.end, block_size=block_v):
-            valid = (tile_v.index < n_cols)[None, :]
-            acc_m = torch.maximum(acc_m, torch.where(valid, z[tile_n, tile_v].to(ct), float("-inf")))
+        for j in hl.grid(block_s // block_v):  # sweep 1: the split's tiles, max lane by lane
+            c = tile_s.begin + j * block_v + hl.arange(block_v)
+            valid = (c < v)[None, :]
+            zt = hl.load(z, [tile_n.index, c], extra_mask=in_n & valid).to(ct)
+            acc_m = torch.maximum(acc_m, torch.where(valid, zt, float("-inf")))
         m = torch.amax(acc_m, dim=1) * scale
         if softcap > 0:
             m = softcap * torch.tanh(m / softcap)
+        m2 = m * LOG2E
         acc_s = hl.zeros([tile_n, block_v], dtype=ct)
         acc_sy = hl.zeros([tile_n, block_v], dtype=ct)
         acc_e = hl.zeros([tile_n, block_v], dtype=ct)
-        for tile_v in hl.tile(tile_s.begin, tile_s.end, block_size=block_v):
-            valid = (tile_v.index < n_cols)[None, :]
-            y = z[tile_n, tile_v].to(ct) * scale
+        for j in hl.grid(block_s // block_v):  # sweep 2: the same tiles again (from L2)
+            c = tile_s.begin + j * block_v + hl.arange(block_v)
+            valid = (c < v)[None, :]
+            y = hl.load(z, [tile_n.index, c], extra_mask=in_n & valid).to(ct) * scale
             if softcap > 0:
                 y = softcap * torch.tanh(y / softcap)
-            d = y - m[:, None]
-            p = torch.where(valid, torch.exp(d), 0.0)
+            d2 = y * LOG2E - m2[:, None]  # (y - m) in log2 units
+            p = torch.where(valid, torch.exp2(d2), 0.0)
             acc_s = acc_s + p
             if with_sum:
                 acc_sy = acc_sy + torch.where(valid, y, 0.0)
             if with_ent:
-                acc_e = acc_e + p * d
+                acc_e = acc_e + p * d2
         pmax[tile_s.id, tile_n] = m
         psum[tile_s.id, tile_n] = torch.sum(acc_s, dim=1)
         if with_sum:
             psumy[tile_s.id, tile_n] = torch.sum(acc_sy, dim=1)
         if with_ent:
-            pent[tile_s.id, tile_n] = torch.sum(acc_e, dim=1)
+            pent[tile_s.id, tile_n] = torch.sum(acc_e, dim=1) * LN2
     return pmax, psum, psumy, pent
 
 

@@ -203,10 +203,7 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
     bs = max(blk["block_v"], blk["block_s"] // blk["block_v"] * blk["block_v"])
     from .chunk_stats import target_logit
 
-    zk = z  # reference mode runs a partial tile at its true width: hand it whole tiles (see the kernel)
-    if z.device.type == "cpu" and z.shape[1] % blk["block_v"]:
-        zk = torch.nn.functional.pad(z, (0, -z.shape[1] % blk["block_v"]))
-    pmax, psum, psumy, pent = _launch("chunk_stats", (zk, z.shape[1], float(scale), float(softcap), bool(with_sum), bool(with_ent)),
+    pmax, psum, psumy, pent = _launch("chunk_stats", (z, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
                                       z.device, z.dtype, settings, blocks={"block_s": bs})  # split: a multiple of the tile
     return merge_partials(pmax, psum, target_logit(z, target_local, scale, softcap)[None], psumy, pent, with_sum, with_ent)
 

@@ -36,7 +36,7 @@ import helion.language as hl
 import torch
 
 from .chunk_stats import chunk_stats_reference
-from .common import SETTINGS
+from .common import LOG2E, SETTINGS
 
 
 @helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
@@ -79,7 +79,7 @@ def lse_forward_partials(
         valid = (tile_v.index < v)[None, :]
         ym = torch.where(valid, y, float("-inf"))
         m = torch.amax(ym, dim=1)
-        e_ym = torch.exp(ym - m[:, None])
+        e_ym = torch.exp2(ym * LOG2E - (m * LOG2E)[:, None])  # exp(ym - m): kernels/common.py
         s = torch.sum(e_ym, dim=1)
         hit = tile_v.index[None, :] == target_local[tile_n][:, None]
         t = torch.sum(torch.where(hit, y, 0.0), dim=1)

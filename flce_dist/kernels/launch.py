@@ -41,7 +41,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "block": {"block_n": 256, "block_v": 128, "block_h": 64},
         "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8]},
     },
-    "chunk_stats": {"block": {"block_n": 16, "block_s": 16384, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 3}},
+    "chunk_stats": {"block": {"block_n": 16, "block_s": 2048, "block_v": 512}, "config": {"num_warps": 8, "num_stages": 2}},
     "chunk_grad": {"block": {"block_n": 32, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 2}},
     # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
     # (block_n, block_v: the filter's mask blocks, which the dX and dW launches map onto block_m, block_k)

@@ -78,6 +78,13 @@ def _impls():
         impls["cce_exact"] = lambda x, w, t: linear_cross_entropy(x, w, t, filter_eps=None)
     except Exception as e:  # noqa: BLE001
         print("cce unavailable:", e)
+    try:  # QuACK (quack-kernels 0.6.5, CuTe DSL, SM90): its default entry point (scaled-exp pipeline where
+        # eligible: bf16, V % 128 == 0; else its base chunked pipeline); install: benchmarks/NOTES.md, run 16
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        impls["quack"] = lambda x, w, t: chunked_linear_cross_entropy(x, w, t)
+    except Exception as e:  # noqa: BLE001
+        print("quack unavailable:", e)
     try:  # DeepSpeed's fused function needs a TP group: a one-process group here
         import os
 

@@ -83,6 +83,9 @@ def _impls():
         from quack.linear_cross_entropy import chunked_linear_cross_entropy
 
         impls["quack"] = lambda x, w, t: chunked_linear_cross_entropy(x, w, t)
+        # run 16: the default (chunk_size=4096) raised "operand 'v': m == n makes row/col inference
+        # ambiguous" at H=4096 (llama3, qwen3); a chunk other than H avoids m == n (not run yet)
+        impls["quack_c2048"] = lambda x, w, t: chunked_linear_cross_entropy(x, w, t, chunk_size=2048)
     except Exception as e:  # noqa: BLE001
         print("quack unavailable:", e)
     try:  # DeepSpeed's fused function needs a TP group: a one-process group here

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain quack1 quack2 benchquack
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -61,6 +61,11 @@ for w in ${*:-tests bench}; do
                --set training.steps=${TRAIN_STEPS:-200} --set model.grad_filter_eps=\"$e\" --set job.out_dir=\"runs/gpu_filter_$tag\" --set job.progress=\"off\" \
                --set checkpoint.ckpt_every=0 2>&1 | flt > "$OUT/train_filter_$tag.log"; cp runs/gpu_filter_$tag/losses.json "$OUT/losses_filter_$tag.json"; tail -1 "$OUT/train_filter_$tag.log"; done
              python3 benchmarks/compare_losses.py "$OUT/losses_filter_exact.json" "$OUT/losses_filter_auto.json" 2>&1 | tee "$OUT/filter_curve.txt" | tail -4 ;;
+    quack1) mkdir -p /tmp/qk && cp .qk1/* /tmp/qk/ ;;  # QuACK's wheels, first half (benchmarks/quack_wheels.sh)
+    quack2) cp .qk2/* /tmp/qk/ && (cd /tmp/qk && cat cu12.whl.part00 cu12.whl.part01 > "$(cut -d' ' -f3 cu12.sha256)" && sha256sum -c cu12.sha256 \
+              && rm -f cu12.whl.part* && python3 -m pip install -q --no-deps --no-index --target /tmp/site-packages /tmp/qk/*.whl) 2>&1 | tail -2
+            export PYTHONPATH=/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-$PWD} ;;
+    benchquack) timeout 330 python3 benchmarks/bench.py --impls ${BENCH_IMPLS:-flce,flce_filter,quack,quack_c2048,cce} --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_quack.log" | tail -${BENCH_TAIL:-32} ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;
   esac
 done

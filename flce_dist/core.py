@@ -15,7 +15,8 @@ an RL objective sum_n a_n logp_n + beta sum_n H_n costs the same 4 matmuls as th
 Two strategies share every kernel and collective:
 
 * ``recompute`` (any reduction; forward-only / evaluation):
-    forward   lse_forward kernel (x @ W.T tile by tile, never stored) -> local stats
+    forward   lse_forward kernel (x @ W.T tile by tile, never stored; or cuBLAS token chunks +
+              chunk_stats, ``Settings(logits_backend="cublas")``) -> local stats
               -> ONE all-gather of stats -> global lse, loss        1 matmul
     backward  per vocab chunk c: z = x @ W_c.T (cuBLAS) -> chunk_grad_ kernel (dz in place)
               -> dW_c = dz.T @ x (local) and dX += dz @ W_c          3 matmuls

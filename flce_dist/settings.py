@@ -11,9 +11,10 @@ field                  environment default          meaning
 =====================  ==========================  ==============================================
 ``chunk_bytes``        ``FLCE_CHUNK_MB`` (MiB)      budget of one logits chunk; None: the plan in
                                                     ``chunking.py`` (CUDA: 1 GiB - 64 MiB over P)
-``logits_backend``     ``FLCE_FUSED_LOGITS``        fused strategy: ``"helion"`` (one Helion pass
-                                                    writes the chunk's logits and its statistics) or
-                                                    ``"cublas"`` (cuBLAS matmul + ``chunk_stats``)
+``logits_backend``     ``FLCE_FUSED_LOGITS``        fused strategy and forward-only pass:
+                                                    ``"helion"`` (one Helion pass forms the logits
+                                                    and their statistics) or ``"cublas"`` (cuBLAS
+                                                    chunk matmuls + ``chunk_stats``)
 ``blocks``             (none)                       ``{kernel: {block name: size}}`` overrides of the
                                                     shipped block sizes (tests force several tiles)
 ``config_dir``         ``FLCE_CONFIG_DIR``          directory of ``<arch>.json`` Helion configs

@@ -42,7 +42,9 @@ def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int
     valid = t != ignore_index
     safe_t = torch.where(valid, t, torch.zeros_like(t))
     zt = z.gather(1, safe_t[:, None])[:, 0]
-    loss = lse - (1.0 - label_smoothing) * zt - (label_smoothing / z.shape[1]) * z.sum(1)
+    loss = lse - (1.0 - label_smoothing) * zt
+    if label_smoothing > 0:  # (not 0 * sum: a -inf logit, e.g. a masked padding row, would make it NaN)
+        loss = loss - (label_smoothing / z.shape[1]) * z.sum(1)
     loss = loss + z_loss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     if reduction == "none":

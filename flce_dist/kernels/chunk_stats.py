@@ -68,7 +68,7 @@ def chunk_stats_partials(
         m = torch.amax(acc_m, dim=1) * scale
         if softcap > 0:
             m = softcap * torch.tanh(m / softcap)
-        m2 = m * LOG2E
+        m2 = torch.where(m > float("-inf"), m, 0.0) * LOG2E  # a split of -inf logits: exponentials against 0
         acc_s = hl.zeros([tile_n, block_v], dtype=ct)
         acc_sy = hl.zeros([tile_n, block_v], dtype=ct)
         acc_e = hl.zeros([tile_n, block_v], dtype=ct)
@@ -83,8 +83,8 @@ def chunk_stats_partials(
             acc_s = acc_s + p
             if with_sum:
                 acc_sy = acc_sy + torch.where(valid, y, 0.0)
-            if with_ent:
-                acc_e = acc_e + p * d2
+            if with_ent:  # p = 0 where y = -inf (d2 = -inf): no 0 * inf
+                acc_e = acc_e + torch.where(p > 0, p * d2, 0.0)
         pmax[tile_s.id, tile_n] = m
         psum[tile_s.id, tile_n] = torch.sum(acc_s, dim=1)
         if with_sum:
@@ -116,5 +116,6 @@ def chunk_stats_reference(z: torch.Tensor, target_local: torch.Tensor, scale: fl
     t = torch.where(hit, y.gather(1, target_local.clamp(min=0).long()[:, None])[:, 0], torch.zeros_like(y[:, 0]))
     sy = y.sum(1) if with_sum else torch.zeros_like(t)
     lse = torch.logsumexp(y, 1)
-    ent = (torch.exp(y - lse[:, None]) * (lse[:, None] - y)).sum(1) if with_ent else torch.zeros_like(t)
+    pe = torch.exp(y - lse[:, None])
+    ent = torch.where(pe > 0, pe * (lse[:, None] - y), 0.0).sum(1) if with_ent else torch.zeros_like(t)
     return lse, t, sy, y.amax(1), ent

@@ -26,7 +26,8 @@ Shapes: x [N, H], w [V, H], bias [V] (or a [1] dummy with ``has_bias=False``),
 target_local [N] int32 (-1 where the target is ignored or outside the shard), z_out [N, V] in x's
 dtype (or a [1, 1] dummy without ``store_logits``).
 Out-of-bounds rows/columns of partial tiles are masked: their logits are set to -inf before the
-max, and their stores are dropped.
+max, and their stores are dropped. A tile whose logits are all -inf (a -inf bias on padded vocab
+rows) gets pmax = -inf and psum = pent = 0 (its exponentials are taken against 0, not -inf).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def lse_forward_partials(
         valid = (tile_v.index < v)[None, :]
         ym = torch.where(valid, y, float("-inf"))
         m = torch.amax(ym, dim=1)
-        e_ym = torch.exp2(ym * LOG2E - (m * LOG2E)[:, None])  # exp(ym - m): kernels/common.py
+        m_ref = torch.where(m > float("-inf"), m, 0.0)  # a tile of -inf logits (e.g. a -inf bias on padded rows)
+        e_ym = torch.exp2(ym * LOG2E - (m_ref * LOG2E)[:, None])  # exp(ym - m): kernels/common.py
         s = torch.sum(e_ym, dim=1)
         hit = tile_v.index[None, :] == target_local[tile_n][:, None]
         t = torch.sum(torch.where(hit, y, 0.0), dim=1)
@@ -89,7 +91,7 @@ def lse_forward_partials(
         if with_sum:
             psumy[tile_v.id, tile_n] = torch.sum(torch.where(valid, y, 0.0), dim=1)
         if with_ent:
-            pent[tile_v.id, tile_n] = torch.sum(torch.where(valid, e_ym * (y - m[:, None]), 0.0), dim=1)
+            pent[tile_v.id, tile_n] = torch.sum(torch.where(e_ym > 0, e_ym * (y - m_ref[:, None]), 0.0), dim=1)
     return pmax, psum, ptgt, psumy, pent
 
 
@@ -98,13 +100,15 @@ def merge_partials(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, p
     """The kernel's ``[ceil(V/BV), N]`` partials merged over vocab tiles into ``[N, 4]`` stats
     (shard lse, target logit, sum of logits, max logit), ``[N, 5]`` with the shard entropy."""
     m = pmax.amax(0)
-    a = torch.exp(pmax - m)
+    a = torch.exp(pmax - torch.where(m > float("-inf"), m, 0.0))  # a shard of -inf logits: a = 0, lse = -inf
     big_s = (psum * a).sum(0)
     lse = m + torch.log(big_s)
     sumy = psumy.sum(0) if with_sum else torch.zeros_like(m)
     cols = [lse, ptgt.sum(0), sumy, m]
     if with_ent:
-        cols.append(torch.log(big_s) - (a * (psum * (pmax - m) + pent)).sum(0) / big_s)
+        # a tile of -inf logits has a = 0 and psum = 0 against pmax - m = -inf: it contributes 0
+        part = torch.where(a > 0, a * (psum * (pmax - m) + pent), torch.zeros_like(a))
+        cols.append(torch.log(big_s) - part.sum(0) / big_s)
     return torch.stack(cols, dim=1)
 
 

@@ -12,9 +12,11 @@ exit code: tests/test_distributed.py).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import traceback
+import weakref
 from pathlib import Path
 
 import torch
@@ -216,6 +218,25 @@ def compiled(ck, dev, group, dtype):
         name = f"P={p} {dtype} torch.compile {reduction}"
         for what, a, b in zip(("loss", "dX", "dW shard"), *outs):
             ck.close(f"{name}: {what} == eager", a, b, 1e-6 if dtype != torch.bfloat16 else 1e-2)
+
+
+def dropped_group_is_freed(ck, dev, group):
+    """A group the program destroys and drops is not kept alive (with its backend's threads) by the
+    shard check's cache (before: a module-level dict keyed by the group object)."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    sub = dist.new_group(dist.get_process_group_ranks(group), backend=dist.get_backend(group))
+    v = 5 * p + 1
+    s, e = vocab_shard(v, r, p)
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(6, 8, generator=g).to(dev), torch.randn(v, 8, generator=g).to(dev)
+    t = torch.randint(0, v, (6,), generator=g).to(dev)
+    loss = flce_dist.fused_linear_cross_entropy(x, w[s:e], t, group=sub)
+    ck.close("loss on a short-lived group", loss, reference_loss(x.double(), w.double(), t), 1e-5)
+    ref = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub, loss
+    gc.collect()
+    ck.true("a destroyed, dropped group is freed", ref() is None)
 
 
 def module_and_errors(ck, dev, group):
@@ -437,6 +458,7 @@ def main():
                     determinism(ck, dev, group, dtype)
                 compiled(ck, dev, group, dtypes[0])
                 module_and_errors(ck, dev, group)
+                dropped_group_is_freed(ck, dev, group)
             guards(ck, dev, group, raises=not poison)
             if args.big and args.backend == "nccl":
                 big_memory(ck, dev, group)

@@ -7,6 +7,7 @@ global ids ``[start_i, start_i + V_i)`` with ``start_i = i * q + min(i, r)``.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 
 import torch
@@ -34,7 +35,9 @@ def shard_sizes(vocab_size: int, world_size: int) -> list[int]:
     return [e - s for s, e in (vocab_shard(vocab_size, r, world_size) for r in range(world_size))]
 
 
-_SHARD_CACHE: dict[tuple, tuple[int, int]] = {}
+# checked shards per process group, the group held weakly: a group the program drops (a test's or a
+# job's short-lived group) is not kept alive, with its backend's threads, by this cache
+_SHARD_CACHE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, tuple[int, int]]]" = weakref.WeakKeyDictionary()
 
 
 def clear_shard_cache() -> None:
@@ -108,12 +111,13 @@ def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: in
             raise ValueError(f"vocab_size is {vocab_size} but weight holds {v_local} rows without a tensor-parallel group")
         return 0, v_local
     dev = str(device) if dist.get_backend(group) == "nccl" else "cpu"
-    key = (group, v_local, vocab_start, dev, int(n_tokens), vocab_size)
-    if key not in _SHARD_CACHE:
-        if len(_SHARD_CACHE) > 1024:
-            _SHARD_CACHE.clear()
-        _SHARD_CACHE[key] = _handshake(group, v_local, vocab_start, dev, int(n_tokens), fields, vocab_size)
-    return _SHARD_CACHE[key]
+    key = (v_local, vocab_start, dev, int(n_tokens), vocab_size)
+    checked = _SHARD_CACHE.setdefault(group, {})
+    if key not in checked:
+        if len(checked) > 1024:
+            checked.clear()
+        checked[key] = _handshake(group, v_local, vocab_start, dev, int(n_tokens), fields, vocab_size)
+    return checked[key]
 
 
 def resolve_call(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,

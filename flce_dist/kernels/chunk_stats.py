@@ -112,10 +112,11 @@ def chunk_stats_reference(z: torch.Tensor, target_local: torch.Tensor, scale: fl
         zero = torch.zeros(z.shape[0], dtype=ct, device=z.device)
         return inf, zero, zero.clone(), inf.clone(), zero.clone()
     y = transform(z, scale, softcap)
-    hit = target_local >= 0
-    t = torch.where(hit, y.gather(1, target_local.clamp(min=0).long()[:, None])[:, 0], torch.zeros_like(y[:, 0]))
+    t = target_logit(z, target_local, scale, softcap)
     sy = y.sum(1) if with_sum else torch.zeros_like(t)
     lse = torch.logsumexp(y, 1)
-    pe = torch.exp(y - lse[:, None])
-    ent = torch.where(pe > 0, pe * (lse[:, None] - y), 0.0).sum(1) if with_ent else torch.zeros_like(t)
+    ent = torch.zeros_like(t)
+    if with_ent:  # p = 0 where y = -inf: no 0 * inf
+        pe = torch.exp(y - lse[:, None])
+        ent = torch.where(pe > 0, pe * (lse[:, None] - y), 0.0).sum(1)
     return lse, t, sy, y.amax(1), ent

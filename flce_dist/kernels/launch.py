@@ -197,12 +197,11 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
         from .chunk_stats import chunk_stats_reference
 
         return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)[:k], dim=1)
+    from .chunk_stats import target_logit
     from .lse_forward import merge_partials
 
     blk = entry("chunk_stats", z.device, z.dtype, settings=settings)["block"]
     bs = max(blk["block_v"], blk["block_s"] // blk["block_v"] * blk["block_v"])
-    from .chunk_stats import target_logit
-
     pmax, psum, psumy, pent = _launch("chunk_stats", (z, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
                                       z.device, z.dtype, settings, blocks={"block_s": bs})  # split: a multiple of the tile
     return merge_partials(pmax, psum, target_logit(z, target_local, scale, softcap)[None], psumy, pent, with_sum, with_ent)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import importlib.util
 import os
 import statistics
@@ -364,15 +363,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f" {r['mem_gib']:14.2f}  {r['note']}")
     if dist.is_initialized():
         dist.destroy_process_group()
-        # a gloo worker thread releases the last collective's work (and so its tensors, which takes the
-        # GIL) just after the wait returns; if the interpreter is already finalising, that thread is
-        # torn down and the rank aborts ("terminate called without an active exception"; gdb: gloo's
-        # runLoop in ~AsyncAllreduceWork -> take_gil -> pthread_exit). A collection here gives the
-        # worker that moment (CPU smoke test: ~1 in 14 runs aborted before, 0 in 40 after). A timing
-        # mitigation of a torch/gloo exit race, not a join.
-        gc.collect()
     return rows
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown, as tests/dist_checks.py does: a gloo worker thread releasing the last
+    # collective's work (its tensors' decref takes the GIL) after finalisation has begun aborts the
+    # rank ("terminate called without an active exception"; gdb: gloo's runLoop in
+    # ~AsyncAllreduceWork -> take_gil -> pthread_exit; benchmarks/NOTES.md, run 16).
+    os._exit(0)

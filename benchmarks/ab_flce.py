@@ -4,8 +4,9 @@
 
 Imports whichever ``flce_dist`` is first on ``PYTHONPATH`` (e.g. an exported older commit) and times,
 at N=8192 bf16 on random inputs (0.02-scaled weights, as bench.py), fwd+bwd of
-``fused_linear_cross_entropy`` (steady state: back-to-back calls) and the bare cuBLAS matmul
-``x @ W.T`` in the same process, then prints one line per shape: ms, ratio to three matmuls. Run it
+``fused_linear_cross_entropy`` (steady state: back-to-back calls), its forward alone under
+``torch.no_grad()`` and the bare cuBLAS matmul ``x @ W.T`` in the same process, then prints one line
+per shape: ms, ratio to three matmuls (fwd+bwd) and to one (forward). Run it
 for both trees in one device call and compare the ratios (the matmul normalises machine drift).
 """
 
@@ -41,7 +42,10 @@ def main() -> None:
 
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         ms = cuda_steady_ms(step, args.reps)
-        print(f"[{args.tag}] {name:7} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm", flush=True)
+        with torch.no_grad():
+            fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
+        print(f"[{args.tag}] {name:7} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
+              f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm", flush=True)
         del x, w, t
         torch.cuda.empty_cache()
 

@@ -44,6 +44,19 @@ STATS_CANDIDATES = [
     dict(block=dict(block_n=bn, block_s=bs, block_v=bv), config=dict(num_warps=nw, num_stages=2))
     for (bn, bv), bs, nw in itertools.product([(8, 256), (16, 256), (32, 256), (16, 512)], [2048, 4096, 8192], [4, 8])
 ] + [dict(block=dict(block_n=16, block_s=16384, block_v=256), config=dict(num_warps=8, num_stages=2))]
+# run 17: persistent programs whose tile loop is flattened with the K loop (``range_flattens``, Triton's
+# ``tl.range(flatten=True)``, as Triton's persistent TMA matmul tutorial does on Hopper), so that the
+# software pipeliner can issue the next tile's first loads under this tile's softmax epilogue
+# (helion 1.4 offers no warp specialisation below sm_100); the non-flattened twins are the control
+PERSISTENT_CANDIDATES = [
+    dict(block=dict(block_n=bn, block_v=bv, block_h=64),
+         config=dict(num_warps=8, num_stages=ns, indexing="tensor_descriptor", l2_groupings=[8],
+                     pid_type="persistent_interleaved", range_flattens=[fl, None]))
+    for (bn, bv), ns, fl in itertools.product([(128, 256), (256, 128)], [3, 4], [True, None])
+]
+# (not searched: ``epilogue_subtile=2``. Its generated code splits each row reduction of the tile into
+# two vocab halves and stores the halves' partials at vocab offsets into the token-indexed partial
+# buffers, i.e. wrong addresses: the illegal memory access that helion 1.5.1 showed, SPEC section 6)
 GRAD_CANDIDATES = [
     dict(block=dict(block_n=bn, block_v=bv), config=dict(num_warps=nw, num_stages=2))
     for bn, bv, nw in [(8, 1024, 8), (16, 256, 4), (32, 256, 4), (32, 256, 8), (64, 256, 8), (16, 512, 4),
@@ -62,10 +75,15 @@ def _run(kernel, args, cand, order):
     return lambda: bound(*full)
 
 
-def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
+# --candidates: the logits kernels' lists (the chunk kernels always take their own)
+CANDIDATE_SETS = {"default": (LSE_CANDIDATES, LSE_STORE_CANDIDATES), "persistent": (PERSISTENT_CANDIDATES,) * 2}
+
+
+def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
     """(name, kernel, args without the block sizes, candidates, BLOCK_ORDER key, reference ms) per
     searched kernel; the args match what kernels/launch.py passes (int32 local targets)."""
     rows, store_rows = z.shape[0], zs.shape[0]
+    LSE_CANDIDATES, LSE_STORE_CANDIDATES = CANDIDATE_SETS[candidates]  # noqa: N806
     return [
         # (x, w, bias, target_local, z_out, scale, softcap, has_bias, store_logits, with_sum, with_ent): as launch.lse_forward
         ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), 1.0, 0.0, False, False, False, False),
@@ -77,7 +95,15 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
     ]
 
 
-def search(n, h, v, dtype, rows=2816, store_rows=2816, only=()):
+def current_entry(name: str, device: torch.device, dtype: torch.dtype, h: int) -> dict:
+    """The entry a launch at hidden size ``h`` would use now for the searched kernel ``name`` (block
+    and config only), so that every search times the shipped config in the same run as its candidates."""
+    kernel, variant = {"lse_forward_store": ("lse_forward", "store")}.get(name, (name, ""))
+    e = L.entry(kernel, device, dtype, variant, h=h if kernel == "lse_forward" else None)
+    return {"block": {k: e["block"][k] for k in L.BLOCK_ORDER[kernel]}, "config": dict(e["config"])}
+
+
+def search(n, h, v, dtype, rows=2816, store_rows=2816, only=(), candidates="default"):
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, h, device=dev, dtype=dtype, generator=g)
@@ -92,10 +118,12 @@ def search(n, h, v, dtype, rows=2816, store_rows=2816, only=()):
     smm = _time(lambda: x[:store_rows] @ w.T)
     print(f"cuBLAS x@W.T {mm:.3f} ms;  chunk [{rows}, {v}] matmul {zmm:.3f} ms;  [{store_rows}, {v}] {smm:.3f} ms")
     best, how = {}, {}
-    for name, kern, args, cands, kind, ref in specs(x, w, t, z, zs, lse, gw, mm, smm, zmm):
+    for name, kern, args, cands, kind, ref in specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates):
         if only and name not in only:
             continue
         order = L.BLOCK_ORDER[kind]
+        shipped = current_entry(name, dev, dtype, h)
+        cands = [shipped] + [c for c in cands if c != shipped]  # the shipped entry first, same run
         results = []
         for c in cands:
             try:
@@ -134,9 +162,13 @@ def main():
     ap.add_argument("--shape-class", action="store_true",
                     help="store the winners under '<dtype>@h<H>' (used for this hidden size only) instead of '<dtype>'")
     ap.add_argument("--only", default="", help="comma-separated kernel entries to search (default: all); the others keep their entries")
+    ap.add_argument("--candidates", default="default", choices=list(CANDIDATE_SETS),
+                    help="the logits kernels' candidate list (default: block sizes and stages; persistent: persistent "
+                         "programs with the tile loop flattened into the K loop); the shipped entry is always timed first")
     args = ap.parse_args()
     dt = DTYPES[args.dtype]
-    best, how = search(args.n, args.h, args.v, dt, rows=args.rows, store_rows=args.rows, only=tuple(filter(None, args.only.split(","))))
+    best, how = search(args.n, args.h, args.v, dt, rows=args.rows, store_rows=args.rows,
+                       only=tuple(filter(None, args.only.split(","))), candidates=args.candidates)
     path = Path(args.out)
     table = json.loads(path.read_text()) if path.is_file() else {}
     key = f"{args.dtype}@h{args.h}" if args.shape_class else args.dtype

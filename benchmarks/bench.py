@@ -164,6 +164,7 @@ def main() -> None:
         x.requires_grad_()
         w.requires_grad_()
         mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
+        print(f"  {'matmul':15} {mm:8.2f} ms", flush=True)
         grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
         rows.append(dict(shape=name, data=mode, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0,
                          ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0, **dcols))
@@ -191,10 +192,13 @@ def main() -> None:
             rows.append(dict(shape=name, data=mode, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
                              ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, steady_ms=st_ms,
                              ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem, **dcols))
+            # each row as soon as it is timed (a call cut off at its limit keeps what it measured)
+            print(f"  {iname:15} {fb_ms:8.2f} ms ({fb_ms / (3 * mm):.2f}x 3mm)  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)"
+                  f"  extra {mem - grads_gib:.2f} GiB", flush=True)
             torch.cuda.empty_cache()
         del x, w, t
         torch.cuda.empty_cache()
-    write_csv(rows, f"bench_{args.dtype}{csv_suffix(args.data)}.csv", [args.out] if args.out else [])
+        write_csv(rows, f"bench_{args.dtype}{csv_suffix(args.data)}.csv", [args.out] if args.out else [])
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
     print_table(rows)
     import torch.distributed as dist

@@ -67,7 +67,7 @@ for w in ${*:-tests bench}; do
     quack2) cp .qk2/* /tmp/qk/ && (cd /tmp/qk && cat cu12.whl.part00 cu12.whl.part01 > "$(cut -d' ' -f3 cu12.sha256)" && sha256sum -c cu12.sha256 \
               && rm -f cu12.whl.part* && python3 -m pip install -q --no-deps --no-index --target /tmp/site-packages /tmp/qk/*.whl) 2>&1 | tail -2
             export PYTHONPATH=/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-$PWD} ;;
-    benchquack) timeout 330 python3 benchmarks/bench.py --impls ${BENCH_IMPLS:-flce,flce_filter,quack,quack_c2048,cce} --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_quack.log" | tail -${BENCH_TAIL:-32} ;;
+    benchquack) timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} --impls ${BENCH_IMPLS:-flce,flce_filter,quack,quack_c2048,cce} --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_quack.log" | tail -${BENCH_TAIL:-32} ;;
     tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;
   esac
 done

@@ -62,7 +62,7 @@ class FLCEFunction(torch.autograd.Function):
             dx, dw, db = ctx.pre
             ctx.pre = None
             dx, dw, db = scale_precomputed(dx if need[0] else None, dw if need[1] else None,
-                                           db if need[2] else None, grad_loss, ctx.w_dtype)
+                                           db if need[2] else None, grad_loss, ctx.w_dtype, settings=ctx.p.settings)
             return dx, dw, db, None, None, None, None
         dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,

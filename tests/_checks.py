@@ -21,6 +21,7 @@ SMALL_BLOCKS = {
     "chunk_stats": {"block_n": 8, "block_s": 64, "block_v": 32},
     "chunk_grad": {"block_n": 8, "block_v": 32},
     "masked_mm": {"block_n": 8, "block_v": 16, "block_h": 32},  # the gradient filter's blocks
+    "scale": {"block": 64},
 }
 
 

@@ -289,3 +289,18 @@ def test_minus_inf_bias_on_padded_rows(backend, strategy):
     ref.backward()
     assert torch.isfinite(loss) and torch.isfinite(xs.grad).all() and torch.isfinite(ws.grad).all()
     assert rel(loss, ref) <= 1e-2 and rel(xs.grad, xr.grad) <= 1e-2 and rel(ws.grad, wr.grad) <= 1e-2
+
+
+@pytest.mark.parametrize("go", [1.0, -0.37], ids=["one", "frac"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_scale_kernel_matches_torch(dtype, go):
+    """The fused backward's grad_output pass (``kernels.scale_``) with the shipped config, at an odd
+    size (a partial last tile), bit-identical to torch's ``t * g.to(t.dtype)``."""
+    from flce_dist.kernels import launch
+    from flce_dist.settings import Settings
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t = (torch.randn(5_000_011, device="cuda", generator=g) * 30).to(dtype)
+    gt = torch.tensor(go, device="cuda")
+    want = t * gt.to(dtype)
+    assert torch.equal(launch.scale_(t.clone(), gt, Settings()), want)

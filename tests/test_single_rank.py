@@ -225,6 +225,22 @@ def test_scalar_grad_output_scales(small_tiles, request, strategy):
     check_all(got, run_ref(hidden, weight, b, target, reduction="sum", grad_output=go), torch.float32)
 
 
+@pytest.mark.parametrize("go", [1.0, 2.0, -3.5, 0.37, 0.0, float("inf")], ids=["one", "two", "neg", "frac", "zero", "inf"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("numel", [1, 2, 63, 64, 1000])
+def test_scale_kernel_matches_torch(request, numel, dtype, go):
+    """``kernels.scale_`` (the fused backward's grad_output pass, several 64-element tiles and a partial
+    last one) is bit-identical to torch's ``t * g.to(t.dtype)``; with g == 1 it leaves t as it was."""
+    from flce_dist.settings import Settings
+
+    gen = torch.Generator().manual_seed(_seed(request))
+    t = (torch.randn(numel, 3, generator=gen) * 50).to(dtype)
+    g = torch.tensor(go)
+    want = t * g.to(dtype)
+    got = launch.scale_(t.clone(), g, Settings(blocks={"scale": {"block": 64}}))
+    assert torch.equal(got, want) or (got.isnan() == want.isnan()).all() and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_float16(small_tiles, request, strategy, reduction):
@@ -712,7 +728,9 @@ def test_kernels_match_their_torch_references(bias, softcap, with_sum, with_ent)
     b = torch.randn(v, generator=g) if bias else None
     tl = torch.randint(-1, v, (n,), generator=g).to(torch.int32)  # -1: no target in this shard
     s = settings.Settings(blocks=SMALL_BLOCKS)
-    for k, bs in SMALL_BLOCKS.items():  # the dims really are tiled several times
+    for k, bs in SMALL_BLOCKS.items():  # the dims really are tiled several times (scale_: its own test)
+        if k == "scale":
+            continue
         assert all(size < dim for size, dim in zip(bs.values(), (n, v, h))), k
     z_kernel, z_ref = torch.empty(n, v), torch.empty(n, v)
     got = launch.lse_forward(x, w, b, tl, scale, softcap, with_sum, s, z_out=z_kernel, with_ent=with_ent)

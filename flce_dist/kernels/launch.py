@@ -15,6 +15,7 @@ Entry points (each falls back to its kernel file's torch reference where the ker
     chunk_stats(z, tl, ...)          [Nc, 4] (or [Nc, 5]) stats of a materialised chunk
     chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits (with mu, gh: plus the
                                      entropy's gradient)
+    scale_(t, g)                     t *= grad_output in place, skipped on the device when it is 1
 
 Helion is imported on the first launch, not with this module. On a CPU tensor the first launch
 needs Helion's reference mode (``flce_dist.setup_reference_mode()``).
@@ -46,16 +47,19 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
     # (block_n, block_v: the filter's mask blocks, which the dX and dW launches map onto block_m, block_k)
     "masked_mm": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
+    # a streaming pass: 16 bf16 per thread (two 16-byte accesses each way), one tile per program
+    "scale": {"block": {"block": 4096}, "config": {"num_warps": 4, "num_stages": 1}},
 }
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
     "chunk_stats": {"block": {"block_n": 512, "block_s": 65536, "block_v": 8192}, "config": {}},
     "chunk_grad": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
     "masked_mm": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
+    "scale": {"block": {"block": 1 << 20}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
 BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_s", "block_v"),
-               "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h")}
+               "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h"), "scale": ("block",)}
 
 
 def arch_of(device: torch.device) -> str:
@@ -103,9 +107,10 @@ def _kernels() -> dict[str, Any]:
     from .chunk_stats import chunk_stats_partials
     from .lse_forward import lse_forward_partials
     from .masked_mm import masked_mm
+    from .scale import scale_
 
     return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats_partials, "chunk_grad": chunk_grad_,
-            "masked_mm": masked_mm}
+            "masked_mm": masked_mm, "scale": scale_}
 
 
 _CONFIGURED: set[int] = set()
@@ -230,6 +235,20 @@ def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_z
                                   float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap),
                                   with_ent, block_v is not None), z.device, z.dtype, settings,
                    blocks=None if block_v is None else {"block_v": block_v})
+
+
+def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """``t *= g`` in place (``g`` a 1-element tensor, e.g. grad_output), a no-op decided on the device
+    when ``g == 1`` (kernels/scale.py). 16-bit and float32 contiguous tensors of under 2**31 elements
+    (the kernel's int32 offsets) take the kernel; others, and size-1 shapes, torch's ``mul_``."""
+    n = t.numel()
+    if n == 0:
+        return t
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not t.is_contiguous() or n >= 2**31 or n < 2:
+        return t.mul_(g.reshape(()).to(t.dtype))
+    # g rounded to t's dtype first: bit-identical to torch's t * g.to(t.dtype)
+    _launch("scale", (t.view(-1), g.reshape(1).to(t.dtype).to(torch.float32)), t.device, t.dtype, settings)
+    return t
 
 
 def masked_blocks(device: torch.device, dtype: torch.dtype, settings: Settings) -> tuple[int, int]:

@@ -47,7 +47,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
     # (block_n, block_v: the filter's mask blocks, which the dX and dW launches map onto block_m, block_k)
     "masked_mm": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
-    # a streaming pass: 16 bf16 per thread (two 16-byte accesses each way), one tile per program
+    # a streaming pass, one tile per program: 32 bf16 per thread (four 16-byte accesses each way);
+    # run 17, 1 GiB bf16: 3.20 TB/s (torch._foreach_mul_ 2.69), 0.19 ms when grad_output is 1
     "scale": {"block": {"block": 4096}, "config": {"num_warps": 4, "num_stages": 1}},
 }
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -245,7 +246,9 @@ def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor
     if n == 0:
         return t
     if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not t.is_contiguous() or n >= 2**31 or n < 2:
-        return t.mul_(g.reshape(()).to(t.dtype))
+        from .scale import scale_reference_
+
+        return scale_reference_(t, g)
     # g rounded to t's dtype first: bit-identical to torch's t * g.to(t.dtype)
     _launch("scale", (t.view(-1), g.reshape(1).to(t.dtype).to(torch.float32)), t.device, t.dtype, settings)
     return t

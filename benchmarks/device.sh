@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain quack1 quack2 benchquack
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain quack1 quack2 benchquack
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -25,6 +25,9 @@ for w in ${*:-tests bench}; do
     tunecls) timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class --only lse_forward,lse_forward_store --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_h${TUNE_H:-2304}.log" | grep -v failed | tail -28; cp configs/helion/h200.json "$OUT/" ;;
     tunepers) for sh in "" "--h 2304 --v 262208 --shape-class --rows 1664"; do  # run 17: flattened persistent logits kernels, llama3 then gemma's class
                timeout 200 python3 -m flce_dist.tune --candidates persistent --only lse_forward,lse_forward_store $sh --out configs/helion/h200.json 2>&1 | flt | tee -a "$OUT/tune_pers.log" | grep -v failed; done | tail -${TUNE_TAIL:-44}; cp configs/helion/h200.json "$OUT/" ;;
+    storeab) for cfg in "" benchmarks/results/run17/store_winner; do tag=$([ -n "$cfg" ] && echo run17store || echo shipped)  # run 17's puzzle: a faster store kernel, a slower loss
+               FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} 2>&1 | flt | grep "^\["
+               FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/kernel_profile.py --shapes llama3 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
     scaleprobe) timeout 60 python3 benchmarks/scale_probe.py 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
     tunechunk) timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}; cp configs/helion/h200.json "$OUT/" ;;
     tune) timeout 420 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;

@@ -25,8 +25,9 @@ Two strategies share every kernel and collective:
     lse_forward kernel: z = x_n @ W.T stored + its stats in one pass (or cuBLAS + chunk_stats,
     ``Settings(logits_backend="cublas")``) -> all-gather of the chunk's stats -> global lse
     -> chunk_grad_ kernel -> dX_n = dz @ W (async all-reduce of the chunk) and dW += dz.T @ x_n
-    3 matmuls in all; backward only scales the stored dX, dW by grad_output (in place; a second
-    backward through the same graph recomputes). All ranks plan the same chunks.
+    3 matmuls in all; backward only scales the stored dX, dW by grad_output (in place, by the
+    scale_ kernel, which reads and writes nothing when grad_output is 1; a second backward through
+    the same graph recomputes). All ranks plan the same chunks.
 
 Gradient filter (``grad_filter_eps``, opt-in): both strategies first sort this rank's shard by mean
 logit (``vocab_order.py``: W[perm], b[perm], targets through inv; no collective), record per

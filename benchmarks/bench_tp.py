@@ -192,6 +192,8 @@ def main():
                 torch.cuda.empty_cache()
             rows.append(dict(shape=name, data=mode, impl=iname, P=p, N=args.n, fwd_bwd_ms=ms, ratio=ms / floor,
                              mem_gib=mem, mm_ms=mm, allreduce_ms=ar, **dcols))
+            if rank == 0:  # each row as soon as it is timed (a call cut off at its limit keeps what it measured)
+                print(f"  {iname:10} {ms:8.2f} ms  {ms / floor:.2f}x floor ({floor:.2f} ms)  {mem:.2f} GiB/rank", flush=True)
         del x, w, buf
         torch.cuda.empty_cache()
     if rank == 0:

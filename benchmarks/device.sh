@@ -28,7 +28,7 @@ for w in ${*:-tests bench}; do
     storeab) for cfg in "" benchmarks/results/run17/store_winner; do tag=$([ -n "$cfg" ] && echo run17store || echo shipped)  # run 17's puzzle: a faster store kernel, a slower loss
                FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} 2>&1 | flt | grep "^\["
                FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/kernel_profile.py --shapes llama3 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
-    scaleprobe) timeout 60 python3 benchmarks/scale_probe.py 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
+    scaleprobe) timeout 90 python3 benchmarks/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
     tunechunk) timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}; cp configs/helion/h200.json "$OUT/" ;;
     tune) timeout 420 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;
     sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;

@@ -28,7 +28,8 @@ def _launcher(t: torch.Tensor, gt: torch.Tensor, variant: tuple[int, int] | None
 
     args = (t.view(-1), gt.reshape(1).to(t.dtype).to(torch.float32), variant[0])
     bound = scale_.bind(args)
-    bound.set_config(helion.Config(num_warps=variant[1], num_stages=1))
+    if t.is_cuda:  # (reference mode on the CPU takes no config, as in kernels/launch.py)
+        bound.set_config(helion.Config(num_warps=variant[1], num_stages=1))
     return lambda: bound(*args)
 
 

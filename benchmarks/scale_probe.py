@@ -19,18 +19,14 @@ from flce_dist.settings import Settings
 
 def _launcher(t: torch.Tensor, gt: torch.Tensor, variant: tuple[int, int] | None):
     """A call of the scale pass on ``t``: the shipped launch (``variant`` None) or the kernel bound
-    with another (elements per program, warps)."""
+    with another (elements per program, warps), as ``python -m flce_dist.tune`` binds its candidates."""
     if variant is None:
         return lambda: launch.scale_(t, gt, Settings())
-    import helion
-
     from flce_dist.kernels.scale import scale_
+    from flce_dist.tune import _run
 
-    args = (t.view(-1), gt.reshape(1).to(t.dtype).to(torch.float32), variant[0])
-    bound = scale_.bind(args)
-    if t.is_cuda:  # (reference mode on the CPU takes no config, as in kernels/launch.py)
-        bound.set_config(helion.Config(num_warps=variant[1], num_stages=1))
-    return lambda: bound(*args)
+    cand = {"block": {"block": variant[0]}, "config": {"num_warps": variant[1], "num_stages": 1}}
+    return _run(scale_, (t.view(-1), gt.reshape(1).to(t.dtype).to(torch.float32)), cand, launch.BLOCK_ORDER["scale"])
 
 
 def main() -> None:

@@ -83,13 +83,13 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
     """(name, kernel, args without the block sizes, candidates, BLOCK_ORDER key, reference ms) per
     searched kernel; the args match what kernels/launch.py passes (int32 local targets)."""
     rows, store_rows = z.shape[0], zs.shape[0]
-    LSE_CANDIDATES, LSE_STORE_CANDIDATES = CANDIDATE_SETS[candidates]  # noqa: N806
+    lse_cands, store_cands = CANDIDATE_SETS[candidates]
     return [
         # (x, w, bias, target_local, z_out, scale, softcap, has_bias, store_logits, with_sum, with_ent): as launch.lse_forward
         ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), 1.0, 0.0, False, False, False, False),
-         LSE_CANDIDATES, "lse_forward", mm),
+         lse_cands, "lse_forward", mm),
         ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs, 1.0, 0.0, False, True, False, False),
-         LSE_STORE_CANDIDATES, "lse_forward", smm),
+         store_cands, "lse_forward", smm),
         ("chunk_stats", chunk_stats_partials, (z, 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
         ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]

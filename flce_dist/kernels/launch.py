@@ -241,11 +241,9 @@ def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_z
 def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor:
     """``t *= g`` in place (``g`` a 1-element tensor, e.g. grad_output), a no-op decided on the device
     when ``g == 1`` (kernels/scale.py). 16-bit and float32 contiguous tensors of under 2**31 elements
-    (the kernel's int32 offsets) take the kernel; others, and size-1 shapes, torch's ``mul_``."""
+    (the kernel's int32 offsets) take the kernel; others, and size-0/1 shapes, torch's ``mul_``."""
     n = t.numel()
-    if n == 0:
-        return t
-    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not t.is_contiguous() or n >= 2**31 or n < 2:
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not t.is_contiguous() or n >= 2**31 or _degenerate(n):
         from .scale import scale_reference_
 
         return scale_reference_(t, g)

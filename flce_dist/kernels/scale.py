@@ -34,8 +34,8 @@ from .common import SETTINGS
 def scale_(t: torch.Tensor, g: torch.Tensor, block: hl.constexpr) -> torch.Tensor:
     n = t.size(0)
     for tile in hl.tile(n, block_size=block):
-        gv = g[0]  # a scalar: the mask below is uniform across the tile, so the loads stay vectorised
-        go = (gv != 1.0) & (tile.index < n)
+        gv = g[0]  # a scalar: the mask is uniform across the tile, so the loads stay vectorised
+        go = gv != 1.0  # (the tile's bounds mask is Helion's own)
         v = hl.load(t, [tile.index], extra_mask=go)
         hl.store(t, [tile.index], (v.to(torch.float32) * gv).to(t.dtype), extra_mask=go)
     return t

@@ -227,21 +227,21 @@ def test_scalar_grad_output_scales(small_tiles, request, strategy):
 
 @pytest.mark.parametrize("go", [1.0, 2.0, -3.5, 0.37, 0.0, float("inf")], ids=["one", "two", "neg", "frac", "zero", "inf"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("numel", [1, 2, 63, 64, 1000])
-def test_scale_kernel_matches_torch(request, numel, dtype, go):
+@pytest.mark.parametrize("rows", [1, 2, 63, 64, 1000])
+def test_scale_kernel_matches_torch(request, rows, dtype, go):
     """``kernels.scale_`` (the fused backward's grad_output pass, several 64-element tiles and a partial
     last one) is bit-identical to torch's ``t * g.to(t.dtype)``; with g == 1 it leaves t as it was."""
-    from flce_dist.settings import Settings
-
-    gen = torch.Generator().manual_seed(_seed(request))
-    t = (torch.randn(numel, 3, generator=gen) * 50).to(dtype)
-    g = torch.tensor(go)
     from flce_dist.kernels.scale import scale_reference_
 
+    from .conftest import SMALL_BLOCKS
+
+    gen = torch.Generator().manual_seed(_seed(request))
+    t = (torch.randn(rows, 3, generator=gen) * 50).to(dtype)
+    g = torch.tensor(go)
     exact = dict(rtol=0, atol=0, equal_nan=True)  # bit for bit, NaN where both are NaN (0 * inf)
     want = scale_reference_(t.clone(), g)
     torch.testing.assert_close(want, t * g.to(dtype), **exact)  # the reference is torch's own product
-    got = launch.scale_(t.clone(), g, Settings(blocks={"scale": {"block": 64}}))
+    got = launch.scale_(t.clone(), g, settings.Settings(blocks=SMALL_BLOCKS))
     torch.testing.assert_close(got, want, **exact)
 
 

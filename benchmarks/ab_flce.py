@@ -1,6 +1,7 @@
 """Before/after timing of the fused loss alone (a refactor must not slow it down).
 
     PYTHONPATH=<tree> python3 benchmarks/ab_flce.py --tag NAME [--shapes llama3,gemma] [--reps 20]
+        [--grad-forms chunk_grad,rowscale]
 
 Imports whichever ``flce_dist`` is first on ``PYTHONPATH`` (e.g. an exported older commit) and times,
 at N=8192 bf16 on random inputs (0.02-scaled weights, as bench.py), fwd+bwd of
@@ -13,6 +14,7 @@ for both trees in one device call and compare the ratios (the matmul normalises 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -27,7 +29,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama3,qwen3,gemma")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--grad-forms", default="", help="e.g. chunk_grad,rowscale: each shape timed with each "
+                    "Settings(grad_form=...) in turn, twice (A B A B), in this one process")
     args = ap.parse_args()
+    forms = [f for f in args.grad_forms.split(",") if f]
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
     for name in args.shapes.split(","):
         h, v = SHAPES[name]
@@ -36,16 +41,31 @@ def main() -> None:
         w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
         t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
 
-        def step():
-            x.grad = w.grad = None
-            flce_dist.fused_linear_cross_entropy(x, w, t).backward()
-
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, args.reps)
-        ms = cuda_steady_ms(step, args.reps)
-        with torch.no_grad():
-            fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
-        print(f"[{args.tag}] {name:7} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
-              f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm", flush=True)
+        for form in forms * 2 or [None]:
+            ctx = flce_dist.settings.override(grad_form=form) if form else contextlib.nullcontext()
+            tag = f"{args.tag}:{form}" if form else args.tag
+            with ctx:
+                def step():
+                    x.grad = w.grad = None
+                    flce_dist.fused_linear_cross_entropy(x, w, t).backward()
+
+                ms = cuda_steady_ms(step, args.reps)
+                with torch.no_grad():
+                    fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
+            print(f"[{tag}] {name:7} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
+                  f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm", flush=True)
+        if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)
+            from flce_dist import rowscale
+
+            real, gates = rowscale.prepare_, []
+            rowscale.prepare_ = lambda *a, **k: (lambda r: (gates.append(r[1]), r)[1])(real(*a, **k))
+            try:
+                with flce_dist.settings.override(grad_form="rowscale"):
+                    flce_dist.fused_linear_cross_entropy(x, w, t).backward()
+            finally:
+                rowscale.prepare_ = real
+            print(f"[{args.tag}] {name:7} rowscale fallback chunks: {int(sum(g.item() for g in gates))} of {len(gates)}")
         del x, w, t
         torch.cuda.empty_cache()
 

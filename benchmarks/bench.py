@@ -51,13 +51,15 @@ def _impls():
     except ImportError:  # before flce_dist.runtime became flce_dist.settings
         from flce_dist import runtime as rt
 
-    def flce(strategy, fused_logits="helion"):
+    def flce(strategy, fused_logits="helion", **more):
         def run(x, w, t):
-            with rt.override(fused_logits=fused_logits):
+            with rt.override(fused_logits=fused_logits, **more):
                 return flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy)
         return run
 
     impls = {"flce": flce("auto"), "flce_cublas": flce("auto", "cublas"), "flce_recompute": flce("recompute")}
+    if "grad_form" in inspect.signature(rt.override).parameters:  # the gradient as logits + chunk_grad_ (before rowscale.py)
+        impls["flce_chunkgrad"] = flce("auto", grad_form="chunk_grad")
     if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
         # the opt-in gradient filter at CCE's default threshold (2^-12 for 16-bit inputs)
         impls["flce_filter"] = lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")

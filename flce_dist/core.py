@@ -25,7 +25,11 @@ Two strategies share every kernel and collective:
     lse_forward kernel: z = x_n @ W.T stored + its stats in one pass (or cuBLAS + chunk_stats,
     ``Settings(logits_backend="cublas")``) -> all-gather of the chunk's stats -> global lse
     -> chunk_grad_ kernel -> dX_n = dz @ W (async all-reduce of the chunk) and dW += dz.T @ x_n
-    3 matmuls in all; backward only scales the stored dX, dW by grad_output (in place, by the
+    3 matmuls in all. Where ``rowscale.py`` applies (no bias/softcap/label smoothing/filter: the
+    default there) the pass stores exponentials E against a per-row reference instead of z, and
+    dz = diag(c) E' replaces the chunk_grad_ pass: dX_n = c * (E' @ W), dW += E'.T @ (c * x_n)
+    (one small sample matmul per call for the references; a device-side gate falls back to
+    logits + chunk_grad_ for a chunk whose rows leave the form's bounds); backward only scales the stored dX, dW by grad_output (in place, by the
     scale_ kernel, which reads and writes nothing when grad_output is 1; a second backward through
     the same graph recomputes). All ranks plan the same chunks.
 
@@ -56,6 +60,7 @@ from .distributed import (all_gather_rows, all_reduce_async, all_reduce_determin
 from .distributed.guard import call_guard, raise_if_failed, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
+from . import rowscale
 from .options import FLCEParams
 from .settings import Settings
 from .vocab_order import VocabOrder
@@ -196,36 +201,51 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     handles = []
     sp = p.sequence_parallel
     helion_logits = p.settings.logits_backend == "helion" and not K.cublas_logits(x)
+    rs = rowscale.applies(x, w, b, p, helion_logits, bool(eps))
+    ref = rowscale.reference(x, w, p.logit_scale) if rs else None
     # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
     for i in range(0, n, rows):
-        xc, tc = x[i:i + rows], tl[i:i + rows]
+        xc, tc, gc = x[i:i + rows], tl[i:i + rows], g[i:i + rows]
         z = zbuf[: xc.shape[0]]
-        if helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
+        dxc = dx[i:i + rows]
+        if rs:  # the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
+            rc = ref[i:i + rows]
+            local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc)
+        elif helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
             local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z)
         else:  # cuBLAS logits, then one read of them for the statistics
             K.logits(xc, w, b, out=z)
             local = K.chunk_stats(z, tc, p.logit_scale, p.cap, p.needs_sum, p.settings)
         st = guard.combine(local)
         stats[i:i + rows] = st
-        keep = None
-        if eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
-            gc = g[i:i + rows]
-            keep = K.chunk_grad_filtered_(z, tc, st[:, 0].contiguous(), gc, gc.abs(), eps, **kw)
-            K.dx_masked(z, w, keep, dx[i:i + rows], False, p.settings)
+        lse = st[:, 0].contiguous()
+        keep = c = None
+        if rs:
+            c, gate = rowscale.prepare_(z, local, st, rc, tc, gc, p)
+            # a row outside the form's bounds: this chunk as logits + chunk_grad_ (gated on the device)
+            K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, gate=gate)
+            K.chunk_grad_(z, tc, lse, gc, **kw, gate=gate)
+            c = torch.where(gate != 0, torch.ones_like(c), c)[:, None]
+            # E' @ W in float32, scaled, rounded once (p_t - 1 is not cancelled in bf16)
+            torch.mul(torch.mm(z, w, out_dtype=torch.float32), c, out=dxc)
+        elif eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
+            keep = K.chunk_grad_filtered_(z, tc, lse, gc, gc.abs(), eps, **kw)
+            K.dx_masked(z, w, keep, dxc, False, p.settings)
         else:
-            K.chunk_grad_(z, tc, st[:, 0].contiguous(), g[i:i + rows], **kw)
-            torch.mm(z, w, out=dx[i:i + rows])
+            K.chunk_grad_(z, tc, lse, gc, **kw)
+            torch.mm(z, w, out=dxc)
         if not sp and not p.deterministic:
-            h = all_reduce_async(dx[i:i + rows], group)
+            h = all_reduce_async(dxc, group)
             if h is not None:
                 handles.append(h)
+        xw = xc if c is None else torch.mul(xc, c, out=torch.empty_like(xc))  # dW = E'^T (c x)
         if keep is not None:
             K.dw_masked(z, xc, keep, dw, i > 0, p.settings)
         elif i == 0:
-            torch.mm(z.T, xc, out=dw)
+            torch.mm(z.T, xw, out=dw)
         else:
-            dw.addmm_(z.T, xc)
+            dw.addmm_(z.T, xw)
         if db is not None:
             db += z.sum(0, dtype=db.dtype)
     if order is not None:  # back to the shard's row order (the sorted copy of W is released first)

@@ -15,6 +15,11 @@ field                  environment default          meaning
                                                     ``"helion"`` (one Helion pass forms the logits
                                                     and their statistics) or ``"cublas"`` (cuBLAS
                                                     chunk matmuls + ``chunk_stats``)
+``grad_form``          ``FLCE_GRAD_FORM``           how the fused strategy forms dlogits:
+                                                    ``"rowscale"`` (the logits pass stores row-scaled
+                                                    exponentials, ``rowscale.py``; where it applies)
+                                                    or ``"chunk_grad"`` (logits, then the chunk_grad_
+                                                    pass over the chunk)
 ``blocks``             (none)                       ``{kernel: {block name: size}}`` overrides of the
                                                     shipped block sizes (tests force several tiles)
 ``config_dir``         ``FLCE_CONFIG_DIR``          directory of ``<arch>.json`` Helion configs
@@ -32,6 +37,7 @@ import os
 from typing import Any, Iterator, Mapping
 
 LOGITS_BACKENDS = ("helion", "cublas")
+GRAD_FORMS = ("rowscale", "chunk_grad")
 
 
 def _freeze_blocks(blocks: Mapping[str, Mapping[str, int]] | tuple | None) -> tuple:
@@ -48,6 +54,7 @@ class Settings:
     logits_backend: str = "helion"
     blocks: tuple = ()
     config_dir: str | None = None
+    grad_form: str = "rowscale"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", _freeze_blocks(self.blocks))
@@ -55,6 +62,8 @@ class Settings:
             raise ValueError(f"chunk_bytes must be a positive int or None, got {self.chunk_bytes!r}")
         if self.logits_backend not in LOGITS_BACKENDS:
             raise ValueError(f"logits_backend must be one of {LOGITS_BACKENDS}, got {self.logits_backend!r}")
+        if self.grad_form not in GRAD_FORMS:
+            raise ValueError(f"grad_form must be one of {GRAD_FORMS}, got {self.grad_form!r}")
 
     def block_overrides(self, kernel: str) -> dict[str, int]:
         return dict(next((v for k, v in self.blocks if k == kernel), ()))
@@ -69,15 +78,17 @@ class Settings:
 
     def astuple(self) -> tuple:
         """Plain values in field order (``Settings(*s.astuple()) == s``)."""
-        return (self.chunk_bytes, self.logits_backend, self.blocks, self.config_dir)
+        return (self.chunk_bytes, self.logits_backend, self.blocks, self.config_dir, self.grad_form)
 
     @classmethod
     def from_env(cls) -> "Settings":
-        """The documented environment defaults (benchmarks): FLCE_CHUNK_MB, FLCE_FUSED_LOGITS, FLCE_CONFIG_DIR."""
+        """The documented environment defaults (benchmarks): FLCE_CHUNK_MB, FLCE_FUSED_LOGITS, FLCE_CONFIG_DIR,
+        FLCE_GRAD_FORM."""
         mb = os.environ.get("FLCE_CHUNK_MB")
         return cls(chunk_bytes=int(mb) << 20 if mb else None,
                    logits_backend=os.environ.get("FLCE_FUSED_LOGITS", "helion"),
-                   config_dir=os.environ.get("FLCE_CONFIG_DIR") or None)
+                   config_dir=os.environ.get("FLCE_CONFIG_DIR") or None,
+                   grad_form=os.environ.get("FLCE_GRAD_FORM", "rowscale"))
 
 
 # The innermost ``override`` last. A plain list (not a ContextVar): TorchDynamo traces a list read,
@@ -94,7 +105,7 @@ def current() -> Settings:
 @contextlib.contextmanager
 def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_bytes: int | None = None,
              fused_logits: str | None = None, logits_backend: str | None = None,
-             config_dir: str | None = None) -> Iterator[Settings]:
+             config_dir: str | None = None, grad_form: str | None = None) -> Iterator[Settings]:
     """Within the block, calls without ``settings=`` use the current settings with these changes
     (``blocks`` merged per kernel; ``fused_logits`` is the older name of ``logits_backend``)."""
     changes: dict[str, Any] = {}
@@ -109,6 +120,8 @@ def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_byt
         changes["logits_backend"] = backend
     if config_dir is not None:
         changes["config_dir"] = config_dir
+    if grad_form is not None:
+        changes["grad_form"] = grad_form
     new = current().replace(**changes)
     _STACK.append(new)
     try:

@@ -10,8 +10,9 @@ or entries fall back to ``DEFAULTS`` below. ``python -m flce_dist.tune`` writes 
 Entry points (each falls back to its kernel file's torch reference where the kernel cannot run):
 
     logits(x, w, bias, out)          cuBLAS x @ w.T (+ bias)
-    lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out);
-                                     [N, 5] with_ent (5th column: the shard's softmax entropy)
+    lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out, or
+                                     their exponentials against exp_ref); [N, 5] with_ent (5th
+                                     column: the shard's softmax entropy); gate: device-side skip
     chunk_stats(z, tl, ...)          [Nc, 4] (or [Nc, 5]) stats of a materialised chunk
     chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits (with mu, gh: plus the
                                      entropy's gradient)
@@ -33,6 +34,8 @@ import torch
 
 from ..chunking import chunk_rows
 from ..settings import Settings
+
+L_NONE, L_LOGITS, L_EXP = 0, 1, 2  # lse_forward's ``store`` modes (kernels/lse_forward.py STORE_*)
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "helion"
 
@@ -168,14 +171,24 @@ def cublas_logits(x: torch.Tensor) -> bool:
 
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, settings: Settings,
-                z_out: torch.Tensor | None = None, with_ent: bool = False) -> torch.Tensor:
+                z_out: torch.Tensor | None = None, with_ent: bool = False, exp_ref: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
     (float64 for float64), ``[N, 5]`` with ``with_ent`` (plus the shard's softmax entropy); the logits
-    are written to ``z_out`` [N, V] when given (the fused strategy), else never stored."""
+    are written to ``z_out`` [N, V] when given (the fused strategy), else never stored. With
+    ``exp_ref`` [N] (float32) ``z_out`` receives ``exp(y - exp_ref)`` instead of the logits (the
+    row-scale gradient, ``rowscale.py``). With ``gate`` (a [1] int32 device tensor) nothing is
+    computed or written unless ``gate`` is nonzero, decided on the device (the returned stats are
+    then undefined)."""
+    store = L_EXP if exp_ref is not None else (L_LOGITS if z_out is not None else L_NONE)
     if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x) or settings.logits_backend == "cublas":
         # size-1 dims (Helion 1.4 bug), float64, CUDA float32 and Settings(logits_backend="cublas"):
         # cuBLAS logits + chunk_stats, token chunk by token chunk when nothing asks for the logits
         # (memory O(chunk))
+        if store == L_EXP or gate is not None:  # (the fused strategy only takes these on Helion logits)
+            return _lse_forward_torch(x, w, bias, target_local, scale, softcap, with_sum, settings, z_out, with_ent,
+                                      exp_ref, gate)
+
         def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
             return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum, settings, with_ent)
 
@@ -188,10 +201,29 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
 
     b = bias if bias is not None else w.new_zeros(1)
     zo = z_out if z_out is not None else x.new_empty(1, 1)
-    parts = _launch("lse_forward", (x, w, b, target_local, zo, float(scale), float(softcap), bool(bias is not None),
-                                    z_out is not None, bool(with_sum), bool(with_ent)),
-                    x.device, x.dtype, settings, "store" if z_out is not None else "", x.shape[1])
+    dummy = x.new_zeros(1, dtype=torch.float32)
+    ref = exp_ref if exp_ref is not None else dummy
+    gt = gate if gate is not None else dummy.to(torch.int32)
+    parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, gt, float(scale), float(softcap),
+                                    bool(bias is not None), store, bool(with_sum), bool(with_ent), gate is not None),
+                    x.device, x.dtype, settings, "gated" if gate is not None else ("store" if z_out is not None else ""),
+                    x.shape[1])
     return merge_partials(*parts, with_sum, with_ent)
+
+
+def _lse_forward_torch(x, w, bias, target_local, scale, softcap, with_sum, settings, z_out, with_ent, exp_ref, gate):
+    """``lse_forward`` with ``exp_ref`` or ``gate`` where the kernel cannot run (size-1 dims): the
+    same stores in torch; the gate as a select (the shapes are a row or a column wide)."""
+    from .chunk_stats import chunk_stats_reference
+    from ..formulas import transform
+
+    z = logits(x, w, bias)
+    cols = chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)
+    st = torch.stack(cols if with_ent else cols[:4], dim=1)
+    if z_out is not None:
+        new = z if exp_ref is None else torch.exp(transform(z, scale, softcap) - exp_ref[:, None]).to(z_out.dtype)
+        z_out.copy_(new if gate is None else torch.where(gate.reshape(()) != 0, new, z_out))
+    return st
 
 
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,
@@ -215,26 +247,34 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
 
 def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
                 eps_over_v: float, one_minus_eps: float, two_zl: float, softcap: float,
-                settings: Settings, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None) -> torch.Tensor:
+                settings: Settings, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None,
+                gate: torch.Tensor | None = None) -> torch.Tensor:
     """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py); with ``mu``
-    and ``gh`` [Nc] (the global ``sum_v p y`` and dL/dentropy per row) the entropy's gradient too."""
+    and ``gh`` [Nc] (the global ``sum_v p y`` and dL/dentropy per row) the entropy's gradient too.
+    With ``gate`` (a [1] int32 device tensor) ``z`` is left as it is unless ``gate`` is nonzero."""
     if z.numel() == 0:
         return z
     if _degenerate(*z.shape):
         from .chunk_grad import chunk_grad_reference_
 
+        if gate is not None:  # a row or a column wide: the gate as a select
+            new = chunk_grad_reference_(z.clone(), target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl,
+                                        softcap, mu, gh)
+            return z.copy_(torch.where(gate.reshape(()) != 0, new, z))
         return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap,
                                      mu, gh)
-    return _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh)[0]
+    return _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh,
+                       gate=gate)[0]
 
 
 def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh,
-                block_v: int | None = None):
+                block_v: int | None = None, gate: torch.Tensor | None = None):
     with_ent = gh is not None
     dummy = g[:1]
     return _launch("chunk_grad", (z, target_local, lse, g, mu if with_ent else dummy, gh if with_ent else dummy,
-                                  float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap),
-                                  with_ent, block_v is not None), z.device, z.dtype, settings,
+                                  gate if gate is not None else dummy.to(torch.int32), float(scale), float(eps_over_v),
+                                  float(one_minus_eps), float(two_zl), float(softcap), with_ent, block_v is not None,
+                                  gate is not None), z.device, z.dtype, settings, "gated" if gate is not None else "",
                    blocks=None if block_v is None else {"block_v": block_v})
 
 

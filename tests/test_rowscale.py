@@ -1,0 +1,169 @@
+"""The fused strategy's row-scaled gradient form (``flce_dist/rowscale.py``) against the float64
+reference: the form itself, its device-side fallback (natural and forced), the target entry's
+precision on confident rows, the kernels' exponential store and gates, and where the form applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flce_dist import fused_linear_cross_entropy, rowscale, settings
+from flce_dist.kernels import launch
+from flce_dist.kernels.chunk_grad import chunk_grad_reference_
+from flce_dist.options import FLCEParams, LossOptions
+
+from .conftest import SMALL_BLOCKS, rel
+from .test_single_rank import _seed, check_all, make_inputs, run_flce, run_ref
+
+
+class _Spy:
+    """Records the gate of every chunk that took the row-scale form."""
+
+    def __init__(self, monkeypatch):
+        self.gates = []
+        real = rowscale.prepare_
+
+        def prepare_(*a, **k):
+            c, gate = real(*a, **k)
+            self.gates.append(int(gate.item()))
+            return c, gate
+
+        monkeypatch.setattr(rowscale, "prepare_", prepare_)
+
+
+# n = 33 rows in chunks of 16: two full chunks and a 1-row chunk (the kernels' torch fallbacks)
+N, H, V = 33, 40, 601  # V > SAMPLE: the references come from a strided sample of the shard
+CHUNK = {torch.float32: 16 * V * 4, torch.bfloat16: 16 * V * 2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("opts", [{}, {"z_loss": 1e-3, "temperature": 0.8}])
+def test_rowscale_matches_reference(small_tiles, request, monkeypatch, dtype, reduction, opts):
+    hidden, weight, _, target = make_inputs(_seed(request), N, H, V, dtype, ignore_frac=0.2)
+    spy = _Spy(monkeypatch)
+    got = run_flce(hidden, weight, None, target, strategy="fused", reduction=reduction, chunk_bytes=CHUNK[dtype],
+                   grad_output=torch.tensor(0.75), **opts)
+    assert spy.gates == [0, 0, 0]  # three chunks, each in the row-scale form (no fallback)
+    check_all(got, run_ref(hidden, weight, None, target, reduction=reduction, grad_output=torch.tensor(0.75), **opts),
+              dtype)
+    with settings.override(grad_form="chunk_grad"):  # the other form on the same inputs: the same numbers
+        other = run_flce(hidden, weight, None, target, strategy="fused", reduction=reduction, chunk_bytes=CHUNK[dtype],
+                         grad_output=torch.tensor(0.75), **opts)
+    assert len(spy.gates) == 3
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    check_all(got, [t.double() if t is not None else None for t in other], dtype, loss_tol=tol, grad_tol=tol)
+
+
+def test_rowscale_fallback_on_a_wide_row(small_tiles, request, monkeypatch):
+    """Rows whose max logit is far (> MAX_SPREAD) above the sampled reference (a vocab row outside
+    the sample, aligned with a few tokens of the second chunk): that chunk alone falls back to
+    logits + chunk_grad_, and every result stays exact."""
+    hidden, weight, _, target = make_inputs(_seed(request), N, H, V, torch.float32)
+    step = -(-V // rowscale.SAMPLE)
+    assert step > 1
+    hot = 1  # not a multiple of step: outside the sample
+    weight[hot] = hidden[18] / hidden[18].norm() * (100.0 / hidden[18].norm())  # logit ~ 100 at row 18
+    target[20] = hot
+    spy = _Spy(monkeypatch)
+    got = run_flce(hidden, weight, None, target, strategy="fused", chunk_bytes=CHUNK[torch.float32])
+    assert spy.gates == [0, 1, 0]
+    check_all(got, run_ref(hidden, weight, None, target), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rowscale_fallback_forced(small_tiles, request, monkeypatch, dtype):
+    """With the bound at -1 every chunk takes the gated fallback: the chunk_grad_ form's numbers (dX
+    leaves its matmul in float32 before the row scale, hence a bf16 ulp here and there)."""
+    hidden, weight, _, target = make_inputs(_seed(request), N, H, V, dtype, ignore_frac=0.2)
+    with settings.override(grad_form="chunk_grad"):
+        want = run_flce(hidden, weight, None, target, strategy="fused", chunk_bytes=CHUNK[dtype], z_loss=1e-3)
+    monkeypatch.setattr(rowscale, "MAX_SPREAD", -1.0)
+    spy = _Spy(monkeypatch)
+    got = run_flce(hidden, weight, None, target, strategy="fused", chunk_bytes=CHUNK[dtype], z_loss=1e-3)
+    assert spy.gates == [1, 1, 1]
+    for a, b in zip(got[:3], want[:3]):
+        assert rel(a, b) <= (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_rowscale_target_entry_on_confident_rows():
+    """bf16, p_t ~ 0.999: the target entry c E'_t carries p_t - 1 to bf16 precision. Written as the
+    stored exponential times c minus the one-hot, the same entry would be off by ~100% (the check
+    below that it is: the test can fail)."""
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 40, 64, 300
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.3 / h**0.5
+    t = torch.randperm(v, generator=g)[:n]  # distinct: each target row aligned with its one token
+    w[t] += 12.0 * x / x.norm(dim=1, keepdim=True) ** 2 * 1.0  # target logit ~ +12: p_t ~ 1 - V e^-12
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    tl = t.to(torch.int32)
+    s = settings.Settings(blocks=SMALL_BLOCKS)
+    p = FLCEParams(0, v, LossOptions(), s)
+    gw = torch.full((n,), 1.0 / n)
+    r = rowscale.reference(x, w, 1.0)
+    e = torch.empty(n, v, dtype=torch.bfloat16)
+    local = launch.lse_forward(x, w, None, tl, 1.0, 0.0, False, s, z_out=e, exp_ref=r)
+    stored = e.clone()
+    c, gate = rowscale.prepare_(e, local, local, r, tl, gw, p)
+    assert gate.item() == 0
+    z = torch.empty(n, v, dtype=torch.bfloat16)
+    launch.lse_forward(x, w, None, tl, 1.0, 0.0, False, s, z_out=z)
+    dz_ref = chunk_grad_reference_(z.double(), tl, local[:, 0].double(), gw.double(), 1.0, 0.0, 1.0, 0.0, 0.0)
+    rows = torch.arange(n)
+    want = dz_ref[rows, t]
+    assert (want.abs() < 0.05 * gw.double()).all()  # confident: |p_t - 1| < 0.05
+    got = c.double() * e[rows, t].double()
+    assert ((got - want).abs() / want.abs()).max() < 2e-2
+    naive = c.double() * stored[rows, t].double() - gw.double()
+    assert ((naive - want).abs() / want.abs()).max() > 0.1
+    other = torch.ones(n, v, dtype=torch.bool)
+    other[rows, t] = False  # every other entry: c E = p g to bf16 rounding
+    dz = c.double()[:, None] * e.double()
+    assert ((dz - dz_ref).abs()[other] / dz_ref.abs()[other].clamp(min=1e-30)).max() < 1e-2
+
+
+def test_kernel_exp_store_and_gates():
+    """lse_forward's exponential store (against the torch formula), its gate, chunk_grad_'s gate."""
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 37, 70, 101
+    x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * h**-0.5 * 3
+    tl = torch.randint(-1, v, (n,), generator=g).to(torch.int32)
+    s = settings.Settings(blocks=SMALL_BLOCKS)
+    r = torch.randn(n, generator=g)
+    e = torch.empty(n, v)
+    st = launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s, z_out=e, exp_ref=r)
+    torch.testing.assert_close(e, torch.exp((x @ w.T) * 0.8 - r[:, None]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(st, launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s), rtol=1e-6, atol=1e-6)
+    closed, opened = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    z = torch.full((n, v), 3.0)
+    launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s, z_out=z, gate=closed)
+    assert (z == 3.0).all()
+    launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s, z_out=z, gate=opened)
+    torch.testing.assert_close(z, x @ w.T, rtol=1e-5, atol=1e-5)
+    lse, gw = st[:, 0].contiguous(), torch.rand(n, generator=g)
+    kw = dict(scale=0.8, eps_over_v=0.0, one_minus_eps=1.0, two_zl=0.0, softcap=0.0)
+    before = z.clone()
+    launch.chunk_grad_(z, tl, lse, gw, settings=s, **kw, gate=closed)
+    assert torch.equal(z, before)
+    launch.chunk_grad_(z, tl, lse, gw, settings=s, **kw, gate=opened)
+    torch.testing.assert_close(z, chunk_grad_reference_(before, tl, lse, gw, **kw), rtol=1e-5, atol=1e-7)
+
+
+def test_rowscale_applies_where_it_can():
+    x, w = torch.zeros(4, 8), torch.zeros(16, 8)
+
+    def ok(dtype=torch.float32, bias=None, helion=True, filtered=False, s=settings.Settings(), **opts):
+        return rowscale.applies(x.to(dtype), w.to(dtype), bias, FLCEParams(0, 16, LossOptions(**opts), s), helion,
+                                filtered)
+
+    assert ok() and ok(torch.bfloat16) and ok(z_loss=1e-4, temperature=0.5)
+    assert not ok(torch.float16)
+    assert not ok(bias=torch.zeros(16))
+    assert not ok(softcap=30.0)
+    assert not ok(label_smoothing=0.1)
+    assert not ok(filtered=True)
+    assert not ok(helion=False)
+    assert not ok(s=settings.Settings(grad_form="chunk_grad"))
+    with pytest.raises(ValueError, match="grad_form"):
+        settings.Settings(grad_form="fast")

@@ -28,8 +28,8 @@ Two strategies share every kernel and collective:
     3 matmuls in all. Where ``rowscale.py`` applies (no bias/softcap/label smoothing/filter: the
     default there) the pass stores exponentials E against a per-row reference instead of z, and
     dz = diag(c) E' replaces the chunk_grad_ pass: dX_n = c * (E' @ W), dW += E'.T @ (c * x_n)
-    (one small sample matmul per call for the references; a device-side gate falls back to
-    logits + chunk_grad_ for a chunk whose rows leave the form's bounds); backward only scales the stored dX, dW by grad_output (in place, by the
+    (one small sample matmul per call for the references; a device-side gate recomputes the dz
+    of a chunk whose rows leave the form's bounds, kernels/dz_gated.py); backward only scales the stored dX, dW by grad_output (in place, by the
     scale_ kernel, which reads and writes nothing when grad_output is 1; a second backward through
     the same graph recomputes). All ranks plan the same chunks.
 
@@ -223,9 +223,8 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         keep = c = None
         if rs:
             c, gate = rowscale.prepare_(z, local, st, rc, tc, gc, p)
-            # a row outside the form's bounds: this chunk as logits + chunk_grad_ (gated on the device)
-            K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, gate=gate)
-            K.chunk_grad_(z, tc, lse, gc, **kw, gate=gate)
+            # a row outside the form's bounds: this chunk's dz recomputed the plain way (gated on the device)
+            K.dz_gated(xc, w, z, tc, lse, gc, gate, p.logit_scale, 2.0 * p.z_loss, p.settings)
             c = torch.where(gate != 0, torch.ones_like(c), c)[:, None]
             # E' @ W in float32, scaled, rounded once (p_t - 1 is not cancelled in bf16)
             torch.mul(torch.mm(z, w, out_dtype=torch.float32), c, out=dxc)

@@ -26,12 +26,12 @@ row's max M. The form is exact (every quantity stays a normal float, within bf16
     r_i - lse_i >= -MIN_SCALE (80)    c stays a normal float32 (rows with g != 0)
     |E'_it| <= 2^100                  the target entry fits in bf16 (rows with a local target)
 
-Measured logits (trained-model-like, random) spread far less than 60 nats from the sample max. A
-chunk with any row outside these bounds (or a NaN: the cross-rank guard's poisoned lse) takes the
-``chunk_grad_`` form instead, decided on the device: ``lse_forward`` (logits) and ``chunk_grad_``
-run behind a gate that is closed in the common case (each program reads one int and leaves), and
-c becomes 1. No host sync, the same collectives, one form per chunk on every rank's own data (a
-rank's gate only changes how it forms its own shard's gradient).
+Trained-model-like and random logits spread far less than 60 nats above the sample max. A chunk
+with any row outside these bounds (or a NaN: the cross-rank guard's poisoned lse) gets its dz the
+plain way instead, decided on the device: ``kernels/dz_gated.py`` recomputes the chunk's logits and
+writes dz over E' behind a gate that is closed in the common case (each program reads one int and
+leaves), and c becomes 1. No host sync and the same collectives; a rank's gate only changes how it
+forms its own shard's gradient.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from ._timing import DTYPES, cuda_time_ms
 from .kernels import launch as L
 from .kernels.chunk_grad import chunk_grad_
 from .kernels.chunk_stats import chunk_stats_partials
-from .kernels.lse_forward import STORE_EXP, STORE_NONE, lse_forward_partials
+from .kernels.launch import STORE_EXP, STORE_NONE
+from .kernels.lse_forward import lse_forward_partials
 
 LSE_CANDIDATES = [
     dict(block=dict(block_n=bn, block_v=bv, block_h=bh),
@@ -83,20 +84,19 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
     """(name, kernel, args without the block sizes, candidates, BLOCK_ORDER key, reference ms) per
     searched kernel; the args match what kernels/launch.py passes (int32 local targets)."""
     rows, store_rows = z.shape[0], zs.shape[0]
-    dummy = lse.new_zeros(1)  # the [1] ref of a pass that stores nothing
-    gate = dummy.to(torch.int32)
+    dummy = lse.new_zeros(1)  # the [1] ref of a pass that stores no exponentials
     ref = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     lse_cands, store_cands = CANDIDATE_SETS[candidates]
     return [
-        # (x, w, bias, target_local, z_out, ref, gate, scale, softcap, has_bias, store, with_sum, with_ent, gated):
-        # as launch.lse_forward; the store pass as the row-scale gradient runs it (exponentials, rowscale.py)
-        ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), dummy, gate, 1.0, 0.0, False,
-                                               STORE_NONE, False, False, False), lse_cands, "lse_forward", mm),
+        # (x, w, bias, target_local, z_out, ref, scale, softcap, has_bias, store, with_sum, with_ent): as
+        # launch.lse_forward; the store pass as the row-scale gradient runs it (exponentials, rowscale.py)
+        ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), dummy, 1.0, 0.0, False,
+                                               STORE_NONE, False, False), lse_cands, "lse_forward", mm),
         ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs,
-                                                     ref[:store_rows], gate, 1.0, 0.0, False, STORE_EXP, False, False,
-                                                     False), store_cands, "lse_forward", smm),
+                                                     ref[:store_rows], 1.0, 0.0, False, STORE_EXP, False, False),
+         store_cands, "lse_forward", smm),
         ("chunk_stats", chunk_stats_partials, (z, 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
-        ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], gate, 1.0, 0.0, 1.0, 0.0, 0.0, False, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),
+        ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]
 
 

@@ -57,8 +57,8 @@ def test_rowscale_matches_reference(small_tiles, request, monkeypatch, dtype, re
 
 def test_rowscale_fallback_on_a_wide_row(small_tiles, request, monkeypatch):
     """Rows whose max logit is far (> MAX_SPREAD) above the sampled reference (a vocab row outside
-    the sample, aligned with a few tokens of the second chunk): that chunk alone falls back to
-    logits + chunk_grad_, and every result stays exact."""
+    the sample, aligned with a token of the second chunk): that chunk alone falls back to dz_gated,
+    and every result stays exact."""
     hidden, weight, _, target = make_inputs(_seed(request), N, H, V, torch.float32)
     step = -(-V // rowscale.SAMPLE)
     assert step > 1
@@ -73,8 +73,8 @@ def test_rowscale_fallback_on_a_wide_row(small_tiles, request, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rowscale_fallback_forced(small_tiles, request, monkeypatch, dtype):
-    """With the bound at -1 every chunk takes the gated fallback: the chunk_grad_ form's numbers (dX
-    leaves its matmul in float32 before the row scale, hence a bf16 ulp here and there)."""
+    """With the bound at -1 every chunk takes the gated fallback (dz_gated): the chunk_grad_ form's
+    numbers (dX leaves its matmul in float32 before the row scale, hence a bf16 ulp here and there)."""
     hidden, weight, _, target = make_inputs(_seed(request), N, H, V, dtype, ignore_frac=0.2)
     with settings.override(grad_form="chunk_grad"):
         want = run_flce(hidden, weight, None, target, strategy="fused", chunk_bytes=CHUNK[dtype], z_loss=1e-3)
@@ -123,8 +123,11 @@ def test_rowscale_target_entry_on_confident_rows():
     assert ((dz - dz_ref).abs()[other] / dz_ref.abs()[other].clamp(min=1e-30)).max() < 1e-2
 
 
-def test_kernel_exp_store_and_gates():
-    """lse_forward's exponential store (against the torch formula), its gate, chunk_grad_'s gate."""
+def test_kernel_exp_store_and_gate():
+    """lse_forward's exponential store (against the torch formula, statistics unchanged) and the
+    fallback kernel dz_gated: untouched output when closed, the chunk_grad_ formula when open."""
+    from flce_dist.kernels.dz_gated import dz_gated_reference
+
     g = torch.Generator().manual_seed(11)
     n, h, v = 37, 70, 101
     x, w = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * h**-0.5 * 3
@@ -135,19 +138,17 @@ def test_kernel_exp_store_and_gates():
     st = launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s, z_out=e, exp_ref=r)
     torch.testing.assert_close(e, torch.exp((x @ w.T) * 0.8 - r[:, None]), rtol=1e-5, atol=0)
     torch.testing.assert_close(st, launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s), rtol=1e-6, atol=1e-6)
-    closed, opened = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    z = torch.full((n, v), 3.0)
-    launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s, z_out=z, gate=closed)
-    assert (z == 3.0).all()
-    launch.lse_forward(x, w, None, tl, 0.8, 0.0, False, s, z_out=z, gate=opened)
-    torch.testing.assert_close(z, x @ w.T, rtol=1e-5, atol=1e-5)
     lse, gw = st[:, 0].contiguous(), torch.rand(n, generator=g)
-    kw = dict(scale=0.8, eps_over_v=0.0, one_minus_eps=1.0, two_zl=0.0, softcap=0.0)
-    before = z.clone()
-    launch.chunk_grad_(z, tl, lse, gw, settings=s, **kw, gate=closed)
-    assert torch.equal(z, before)
-    launch.chunk_grad_(z, tl, lse, gw, settings=s, **kw, gate=opened)
-    torch.testing.assert_close(z, chunk_grad_reference_(before, tl, lse, gw, **kw), rtol=1e-5, atol=1e-7)
+    closed, opened = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    dz = torch.full((n, v), 3.0)
+    launch.dz_gated(x, w, dz, tl, lse, gw, closed, 0.8, 2e-3, s)
+    assert (dz == 3.0).all()
+    launch.dz_gated(x, w, dz, tl, lse, gw, opened, 0.8, 2e-3, s)
+    want = chunk_grad_reference_(x @ w.T, tl, lse, gw, 0.8, 0.0, 1.0, 2e-3, 0.0)
+    torch.testing.assert_close(dz, want, rtol=1e-5, atol=1e-7)
+    for gate in (closed, opened):  # the torch form (size-1 dims) agrees
+        got = dz_gated_reference(x, w, torch.full((n, v), 3.0), tl, lse, gw, gate, 0.8, 2e-3)
+        torch.testing.assert_close(got, want if gate.item() else torch.full((n, v), 3.0), rtol=1e-5, atol=1e-7)
 
 
 def test_rowscale_applies_where_it_can():

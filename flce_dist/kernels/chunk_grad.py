@@ -15,10 +15,7 @@ Grid: (token tile x vocab tile) over ``z [Nc, Vc]``; each element is read once a
 block mask of ``masked_mm.py``.
 Per-row inputs: ``lse [Nc]``, ``g [Nc]`` float32, ``target_local [Nc]`` int32 (-1: no target here);
 with ``with_ent`` also ``mu [Nc]`` (the global ``sum_v p y``) and ``gh [Nc]`` (dL/dH per row), so the
-loss's and the entropy's gradients leave in one pass (``[1]`` dummies without). With ``gated`` every
-tile first reads ``gate [1]`` (int32) and leaves its elements as they are unless it is nonzero (the
-row-scale gradient's fallback, ``rowscale.py``: decided on the device, a scalar read per program
-when closed).
+loss's and the entropy's gradients leave in one pass (``[1]`` dummies without).
 """
 
 from __future__ import annotations
@@ -39,7 +36,6 @@ def chunk_grad_(
     g: torch.Tensor,
     mu: torch.Tensor,
     gh: torch.Tensor,
-    gate: torch.Tensor,
     scale: float,
     eps_over_v: float,
     one_minus_eps: float,
@@ -47,7 +43,6 @@ def chunk_grad_(
     softcap: hl.constexpr,
     with_ent: hl.constexpr,
     with_absmax: hl.constexpr,
-    gated: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,28 +51,26 @@ def chunk_grad_(
     absmax = torch.empty([(v + block_v - 1) // block_v if with_absmax else 1, n], dtype=torch.float32,
                          device=z.device)
     for tile_n, tile_v in hl.tile([n, v], block_size=[block_n, block_v]):
-        go = gate[0] != 0 if gated else True
-        if go:
-            y = z[tile_n, tile_v].to(ct) * scale
-            if softcap > 0:
-                y = softcap * torch.tanh(y / softcap)
-            lse_t = lse[tile_n].to(ct)
-            g_t = g[tile_n].to(ct)
-            p = torch.exp2(y * LOG2E - (lse_t * LOG2E)[:, None])  # exp(y - lse): kernels/common.py
-            hit = tile_v.index[None, :] == target_local[tile_n][:, None]
-            dy = (g_t * (1.0 + two_zl * lse_t))[:, None] * p - torch.where(
-                hit, (g_t * one_minus_eps)[:, None], 0.0
-            ) - (g_t * eps_over_v)[:, None]
-            if with_ent:
-                dy = dy - gh[tile_n].to(ct)[:, None] * p * (y - mu[tile_n].to(ct)[:, None])
-            if softcap > 0:
-                r = y / softcap
-                dy = dy * (1.0 - r * r)
-            dz = (dy * scale).to(z.dtype)
-            z[tile_n, tile_v] = dz
-            if with_absmax:
-                inside = (tile_v.index < v)[None, :]
-                absmax[tile_v.id, tile_n] = torch.amax(torch.where(inside, torch.abs(dz.to(torch.float32)), 0.0), dim=1)
+        y = z[tile_n, tile_v].to(ct) * scale
+        if softcap > 0:
+            y = softcap * torch.tanh(y / softcap)
+        lse_t = lse[tile_n].to(ct)
+        g_t = g[tile_n].to(ct)
+        p = torch.exp2(y * LOG2E - (lse_t * LOG2E)[:, None])  # exp(y - lse): kernels/common.py
+        hit = tile_v.index[None, :] == target_local[tile_n][:, None]
+        dy = (g_t * (1.0 + two_zl * lse_t))[:, None] * p - torch.where(
+            hit, (g_t * one_minus_eps)[:, None], 0.0
+        ) - (g_t * eps_over_v)[:, None]
+        if with_ent:
+            dy = dy - gh[tile_n].to(ct)[:, None] * p * (y - mu[tile_n].to(ct)[:, None])
+        if softcap > 0:
+            r = y / softcap
+            dy = dy * (1.0 - r * r)
+        dz = (dy * scale).to(z.dtype)
+        z[tile_n, tile_v] = dz
+        if with_absmax:
+            inside = (tile_v.index < v)[None, :]
+            absmax[tile_v.id, tile_n] = torch.amax(torch.where(inside, torch.abs(dz.to(torch.float32)), 0.0), dim=1)
     return z, absmax
 
 

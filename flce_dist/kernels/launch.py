@@ -12,10 +12,12 @@ Entry points (each falls back to its kernel file's torch reference where the ker
     logits(x, w, bias, out)          cuBLAS x @ w.T (+ bias)
     lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out, or
                                      their exponentials against exp_ref); [N, 5] with_ent (5th
-                                     column: the shard's softmax entropy); gate: device-side skip
+                                     column: the shard's softmax entropy)
     chunk_stats(z, tl, ...)          [Nc, 4] (or [Nc, 5]) stats of a materialised chunk
     chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits (with mu, gh: plus the
                                      entropy's gradient)
+    dz_gated(x, w, dz, tl, lse, ...) dz = the chunk's dlogits from x, W, only where a device-side
+                                     gate is open (the row-scale form's fallback)
     scale_(t, g)                     t *= grad_output in place, skipped on the device when it is 1
 
 Helion is imported on the first launch, not with this module. On a CPU tensor the first launch
@@ -35,7 +37,7 @@ import torch
 from ..chunking import chunk_rows
 from ..settings import Settings
 
-L_NONE, L_LOGITS, L_EXP = 0, 1, 2  # lse_forward's ``store`` modes (kernels/lse_forward.py STORE_*)
+STORE_NONE, STORE_LOGITS, STORE_EXP = 0, 1, 2  # lse_forward's ``store`` constexpr (literals in the kernel)
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "helion"
 
@@ -53,6 +55,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # a streaming pass, one tile per program: 32 bf16 per thread (four 16-byte accesses each way);
     # run 17, 1 GiB bf16: 3.20 TB/s (torch._foreach_mul_ 2.69), 0.19 ms when grad_output is 1
     "scale": {"block": {"block": 4096}, "config": {"num_warps": 4, "num_stages": 1}},
+    # the row-scale form's fallback, closed in the common case: persistent programs (a closed gate
+    # costs a scalar read per tile step), the store pass's blocks when open
+    "dz_gated": {"block": {"block_n": 128, "block_v": 256, "block_h": 64},
+                 "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8],
+                            "pid_type": "persistent_interleaved"}},
 }
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
@@ -60,10 +67,12 @@ CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "chunk_grad": {"block": {"block_n": 512, "block_v": 8192}, "config": {}},
     "masked_mm": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
     "scale": {"block": {"block": 1 << 20}, "config": {}},
+    "dz_gated": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
 BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_s", "block_v"),
-               "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h"), "scale": ("block",)}
+               "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h"), "scale": ("block",),
+               "dz_gated": ("block_n", "block_v", "block_h")}
 
 
 def arch_of(device: torch.device) -> str:
@@ -109,12 +118,13 @@ def _kernels() -> dict[str, Any]:
     """The Helion kernels, imported on first use (Helion reads HELION_INTERPRET when they are made)."""
     from .chunk_grad import chunk_grad_
     from .chunk_stats import chunk_stats_partials
+    from .dz_gated import dz_gated
     from .lse_forward import lse_forward_partials
     from .masked_mm import masked_mm
     from .scale import scale_
 
     return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats_partials, "chunk_grad": chunk_grad_,
-            "masked_mm": masked_mm, "scale": scale_}
+            "masked_mm": masked_mm, "scale": scale_, "dz_gated": dz_gated}
 
 
 _CONFIGURED: set[int] = set()
@@ -171,23 +181,20 @@ def cublas_logits(x: torch.Tensor) -> bool:
 
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, settings: Settings,
-                z_out: torch.Tensor | None = None, with_ent: bool = False, exp_ref: torch.Tensor | None = None,
-                gate: torch.Tensor | None = None) -> torch.Tensor:
+                z_out: torch.Tensor | None = None, with_ent: bool = False,
+                exp_ref: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
     (float64 for float64), ``[N, 5]`` with ``with_ent`` (plus the shard's softmax entropy); the logits
     are written to ``z_out`` [N, V] when given (the fused strategy), else never stored. With
     ``exp_ref`` [N] (float32) ``z_out`` receives ``exp(y - exp_ref)`` instead of the logits (the
-    row-scale gradient, ``rowscale.py``). With ``gate`` (a [1] int32 device tensor) nothing is
-    computed or written unless ``gate`` is nonzero, decided on the device (the returned stats are
-    then undefined)."""
-    store = L_EXP if exp_ref is not None else (L_LOGITS if z_out is not None else L_NONE)
+    row-scale gradient, ``rowscale.py``)."""
+    store = STORE_EXP if exp_ref is not None else (STORE_LOGITS if z_out is not None else STORE_NONE)
     if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x) or settings.logits_backend == "cublas":
         # size-1 dims (Helion 1.4 bug), float64, CUDA float32 and Settings(logits_backend="cublas"):
         # cuBLAS logits + chunk_stats, token chunk by token chunk when nothing asks for the logits
         # (memory O(chunk))
-        if store == L_EXP or gate is not None:  # (the fused strategy only takes these on Helion logits)
-            return _lse_forward_torch(x, w, bias, target_local, scale, softcap, with_sum, settings, z_out, with_ent,
-                                      exp_ref, gate)
+        if store == STORE_EXP:  # (the fused strategy takes it on Helion logits only: here for size-1 dims)
+            return _lse_forward_exp_torch(x, w, bias, target_local, scale, softcap, with_sum, z_out, with_ent, exp_ref)
 
         def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
             return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum, settings, with_ent)
@@ -201,29 +208,22 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
 
     b = bias if bias is not None else w.new_zeros(1)
     zo = z_out if z_out is not None else x.new_empty(1, 1)
-    dummy = x.new_zeros(1, dtype=torch.float32)
-    ref = exp_ref if exp_ref is not None else dummy
-    gt = gate if gate is not None else dummy.to(torch.int32)
-    parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, gt, float(scale), float(softcap),
-                                    bool(bias is not None), store, bool(with_sum), bool(with_ent), gate is not None),
-                    x.device, x.dtype, settings, "gated" if gate is not None else ("store" if z_out is not None else ""),
-                    x.shape[1])
+    ref = exp_ref if exp_ref is not None else x.new_zeros(1, dtype=torch.float32)
+    parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, float(scale), float(softcap),
+                                    bool(bias is not None), store, bool(with_sum), bool(with_ent)),
+                    x.device, x.dtype, settings, "store" if z_out is not None else "", x.shape[1])
     return merge_partials(*parts, with_sum, with_ent)
 
 
-def _lse_forward_torch(x, w, bias, target_local, scale, softcap, with_sum, settings, z_out, with_ent, exp_ref, gate):
-    """``lse_forward`` with ``exp_ref`` or ``gate`` where the kernel cannot run (size-1 dims): the
-    same stores in torch; the gate as a select (the shapes are a row or a column wide)."""
-    from .chunk_stats import chunk_stats_reference
+def _lse_forward_exp_torch(x, w, bias, target_local, scale, softcap, with_sum, z_out, with_ent, exp_ref):
+    """``lse_forward`` with ``exp_ref`` where the kernel cannot run (size-1 dims), in torch."""
     from ..formulas import transform
+    from .chunk_stats import chunk_stats_reference
 
     z = logits(x, w, bias)
     cols = chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)
-    st = torch.stack(cols if with_ent else cols[:4], dim=1)
-    if z_out is not None:
-        new = z if exp_ref is None else torch.exp(transform(z, scale, softcap) - exp_ref[:, None]).to(z_out.dtype)
-        z_out.copy_(new if gate is None else torch.where(gate.reshape(()) != 0, new, z_out))
-    return st
+    z_out.copy_(torch.exp(transform(z, scale, softcap) - exp_ref[:, None]))
+    return torch.stack(cols if with_ent else cols[:4], dim=1)
 
 
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,
@@ -247,35 +247,41 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
 
 def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
                 eps_over_v: float, one_minus_eps: float, two_zl: float, softcap: float,
-                settings: Settings, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None,
-                gate: torch.Tensor | None = None) -> torch.Tensor:
+                settings: Settings, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None) -> torch.Tensor:
     """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py); with ``mu``
-    and ``gh`` [Nc] (the global ``sum_v p y`` and dL/dentropy per row) the entropy's gradient too.
-    With ``gate`` (a [1] int32 device tensor) ``z`` is left as it is unless ``gate`` is nonzero."""
+    and ``gh`` [Nc] (the global ``sum_v p y`` and dL/dentropy per row) the entropy's gradient too."""
     if z.numel() == 0:
         return z
     if _degenerate(*z.shape):
         from .chunk_grad import chunk_grad_reference_
 
-        if gate is not None:  # a row or a column wide: the gate as a select
-            new = chunk_grad_reference_(z.clone(), target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl,
-                                        softcap, mu, gh)
-            return z.copy_(torch.where(gate.reshape(()) != 0, new, z))
         return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap,
                                      mu, gh)
-    return _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh,
-                       gate=gate)[0]
+    return _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh)[0]
 
 
 def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh,
-                block_v: int | None = None, gate: torch.Tensor | None = None):
+                block_v: int | None = None):
     with_ent = gh is not None
     dummy = g[:1]
     return _launch("chunk_grad", (z, target_local, lse, g, mu if with_ent else dummy, gh if with_ent else dummy,
-                                  gate if gate is not None else dummy.to(torch.int32), float(scale), float(eps_over_v),
-                                  float(one_minus_eps), float(two_zl), float(softcap), with_ent, block_v is not None,
-                                  gate is not None), z.device, z.dtype, settings, "gated" if gate is not None else "",
+                                  float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap),
+                                  with_ent, block_v is not None), z.device, z.dtype, settings,
                    blocks=None if block_v is None else {"block_v": block_v})
+
+
+def dz_gated(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor,
+             g: torch.Tensor, gate: torch.Tensor, scale: float, two_zl: float, settings: Settings) -> torch.Tensor:
+    """``dz`` [Nc, V] overwritten with the chunk's dlogits recomputed from ``x``, ``w`` where ``gate``
+    (a [1] int32 device tensor) is nonzero, left as it is where it is 0 (kernels/dz_gated.py)."""
+    if dz.numel() == 0:
+        return dz
+    if _degenerate(*x.shape, w.shape[0]):
+        from .dz_gated import dz_gated_reference
+
+        return dz_gated_reference(x, w, dz, target_local, lse, g, gate, scale, two_zl)
+    return _launch("dz_gated", (x, w, dz, target_local, lse, g, gate, float(scale), float(two_zl)), x.device,
+                   x.dtype, settings)
 
 
 def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor:

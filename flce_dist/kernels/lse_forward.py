@@ -7,21 +7,17 @@ Algorithm (per rank; ``W`` is this rank's ``[V, H]`` shard):
         z      = round(z, dtype of x)              # 16-bit inputs: logits in the input dtype, as
                                                    # torch/Liger/CCE have them, so that a backward
                                                    # that recomputes them with cuBLAS is consistent
-        z_out[n, v] = z                            # store == STORE_LOGITS (the fused strategy)
+        z_out[n, v] = z                            # store == 1 (the fused strategy)
         y      = transform(z)                      # z * scale, then softcap * tanh(y / softcap)
         pmax[v_tile, n] = max_v y                  # per-row partials of this tile
         psum[v_tile, n] = sum_v exp(y - pmax)
         ptgt[v_tile, n] = y[n, target_local[n]] if the target falls in this tile else 0
         psumy[v_tile,n] = sum_v y                  # only with label smoothing
         pent[v_tile, n] = sum_v exp(y - pmax) * (y - pmax)   # only with entropy (return_entropy)
-        z_out[n, v] = exp(y - ref[n])              # store == STORE_EXP: the exponentials against a
+        z_out[n, v] = exp(y - ref[n])              # store == 2: the exponentials against a
                                                    # per-row reference (the row-scale gradient,
                                                    # rowscale.py), as exp(y - pmax) * exp(pmax - ref):
                                                    # one multiply per element beyond the statistics
-
-With ``gated`` every tile first reads ``gate[0]`` and does nothing unless it is nonzero: the launch
-costs a scalar read per program when the gate is closed (the row-scale gradient's fallback, decided
-on the device).
 
 The partials (``[ceil(V/BV), N]`` float32 each, 1/BV of the logits) are merged by the caller
 into the shard's logsumexp, target logit and (with entropy) the shard's softmax entropy
@@ -32,8 +28,7 @@ distribution's small entropy is not the difference of two large numbers. A grid 
 
 Shapes: x [N, H], w [V, H], bias [V] (or a [1] dummy with ``has_bias=False``),
 target_local [N] int32 (-1 where the target is ignored or outside the shard), z_out [N, V] in x's
-dtype (or a [1, 1] dummy with STORE_NONE), ref [N] float32 (a [1] dummy unless STORE_EXP), gate [1]
-int32 (read only with ``gated``).
+dtype (or a [1, 1] dummy with store == 0), ref [N] float32 (a [1] dummy unless store == 2).
 Out-of-bounds rows/columns of partial tiles are masked: their logits are set to -inf before the
 max, and their stores are dropped. A tile whose logits are all -inf (a -inf bias on padded vocab
 rows) gets pmax = -inf and psum = pent = 0 (its exponentials are taken against 0, not -inf).
@@ -48,8 +43,6 @@ import torch
 from .chunk_stats import chunk_stats_reference
 from .common import LOG2E, SETTINGS
 
-STORE_NONE, STORE_LOGITS, STORE_EXP = 0, 1, 2  # the ``store`` constexpr
-
 
 @helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
 def lse_forward_partials(
@@ -59,14 +52,12 @@ def lse_forward_partials(
     target_local: torch.Tensor,
     z_out: torch.Tensor,
     ref: torch.Tensor,
-    gate: torch.Tensor,
     scale: float,
     softcap: hl.constexpr,
     has_bias: hl.constexpr,
     store: hl.constexpr,
     with_sum: hl.constexpr,
     with_ent: hl.constexpr,
-    gated: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
     block_h: hl.constexpr,
@@ -80,37 +71,35 @@ def lse_forward_partials(
     psumy = torch.empty([n_vt if with_sum else 1, n], dtype=torch.float32, device=x.device)
     pent = torch.empty([n_vt if with_ent else 1, n], dtype=torch.float32, device=x.device)
     for tile_v, tile_n in hl.tile([v, n], block_size=[block_v, block_n]):
-        go = gate[0] != 0 if gated else True
-        if go:
-            acc = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-            for tile_h in hl.tile(h, block_size=block_h):
-                acc = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=acc)
-            if has_bias:
-                acc = acc + bias[tile_v].to(torch.float32)[None, :]
-            zq = acc.to(x.dtype)
-            if store == STORE_LOGITS:
-                z_out[tile_n, tile_v] = zq
-            y = zq.to(torch.float32) * scale
-            if softcap > 0:
-                y = softcap * torch.tanh(y / softcap)
-            valid = (tile_v.index < v)[None, :]
-            ym = torch.where(valid, y, float("-inf"))
-            m = torch.amax(ym, dim=1)
-            m_ref = torch.where(m > float("-inf"), m, 0.0)  # a tile of -inf logits (e.g. a -inf bias on padded rows)
-            e_ym = torch.exp2(ym * LOG2E - (m_ref * LOG2E)[:, None])  # exp(ym - m): kernels/common.py
-            s = torch.sum(e_ym, dim=1)
-            hit = tile_v.index[None, :] == target_local[tile_n][:, None]
-            t = torch.sum(torch.where(hit, y, 0.0), dim=1)
-            pmax[tile_v.id, tile_n] = m
-            psum[tile_v.id, tile_n] = s
-            ptgt[tile_v.id, tile_n] = t
-            if with_sum:
-                psumy[tile_v.id, tile_n] = torch.sum(torch.where(valid, y, 0.0), dim=1)
-            if with_ent:
-                pent[tile_v.id, tile_n] = torch.sum(torch.where(e_ym > 0, e_ym * (y - m_ref[:, None]), 0.0), dim=1)
-            if store == STORE_EXP:
-                f = torch.exp2((m_ref - ref[tile_n]) * LOG2E)  # exp(m - ref) per row
-                z_out[tile_n, tile_v] = (e_ym * f[:, None]).to(z_out.dtype)
+        acc = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+        for tile_h in hl.tile(h, block_size=block_h):
+            acc = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=acc)
+        if has_bias:
+            acc = acc + bias[tile_v].to(torch.float32)[None, :]
+        zq = acc.to(x.dtype)
+        if store == 1:  # launch.STORE_LOGITS (a literal: Helion passes a module constant as a runtime argument)
+            z_out[tile_n, tile_v] = zq
+        y = zq.to(torch.float32) * scale
+        if softcap > 0:
+            y = softcap * torch.tanh(y / softcap)
+        valid = (tile_v.index < v)[None, :]
+        ym = torch.where(valid, y, float("-inf"))
+        m = torch.amax(ym, dim=1)
+        m_ref = torch.where(m > float("-inf"), m, 0.0)  # a tile of -inf logits (e.g. a -inf bias on padded rows)
+        e_ym = torch.exp2(ym * LOG2E - (m_ref * LOG2E)[:, None])  # exp(ym - m): kernels/common.py
+        s = torch.sum(e_ym, dim=1)
+        hit = tile_v.index[None, :] == target_local[tile_n][:, None]
+        t = torch.sum(torch.where(hit, y, 0.0), dim=1)
+        pmax[tile_v.id, tile_n] = m
+        psum[tile_v.id, tile_n] = s
+        ptgt[tile_v.id, tile_n] = t
+        if with_sum:
+            psumy[tile_v.id, tile_n] = torch.sum(torch.where(valid, y, 0.0), dim=1)
+        if with_ent:
+            pent[tile_v.id, tile_n] = torch.sum(torch.where(e_ym > 0, e_ym * (y - m_ref[:, None]), 0.0), dim=1)
+        if store == 2:  # launch.STORE_EXP
+            f = torch.exp2((m_ref - ref[tile_n]) * LOG2E)  # exp(m - ref) per row
+            z_out[tile_n, tile_v] = (e_ym * f[:, None]).to(z_out.dtype)
     return pmax, psum, ptgt, psumy, pent
 
 

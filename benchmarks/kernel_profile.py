@@ -7,7 +7,9 @@ Per shape: the bare ``x @ W.T`` matmul (CUDA events, this run), then ``--iters``
 forward+backward calls of ``fused_linear_cross_entropy``. Kernels are grouped into classes
 (cuBLAS matmul, each Helion kernel, other torch kernels), each reported as ms per call and as a
 fraction of the floor (3 matmuls for ``--mode fb``, 1 for ``--mode fwd``, the no-grad forward);
-"idle" is the wall time (CUDA events, each call from an idle GPU) not covered by any kernel, and
+"idle" is the wall time (CUDA events, each call from an idle GPU) not covered by any kernel (the
+"kernel gaps" lines: the profiled timeline's gaps between consecutive kernels, by the pair around
+each gap), and
 "idle steady" the same with calls back to back (host work overlapping the previous call), which
 is what a training loop sees. Under torchrun each rank holds its ``flce_dist.vocab_shard`` and the floor adds one dX all-reduce ([N, H], timed in this run). Writes
 ``profile_<mode>_<dtype>[_tp<P>].csv``.
@@ -133,6 +135,18 @@ def main() -> None:
             per_class[classify(ev.key)] += ms
             per_kernel[ev.key] += ms
         busy = sum(per_class.values())
+        # where the GPU waits: gaps between consecutive kernels on the timeline, by the kernel after the gap
+        kern = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                       and not e.name.startswith(("ProfilerStep", "Memcpy", "Memset"))), key=lambda e: e.time_range.start)
+        gaps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        for a, b in zip(kern, kern[1:]):
+            gap = (b.time_range.start - a.time_range.end) / 1e3
+            if gap > 0:
+                gaps[f"{classify(a.name)} -> {b.name[:60]}"][0] += gap / args.iters
+                gaps[f"{classify(a.name)} -> {b.name[:60]}"][1] += 1 / args.iters
+        top.append(f"{shape:7} kernel gaps per call: {sum(g for g, _ in gaps.values()):.3f} ms over {len(kern) / args.iters:.0f} kernels")
+        for k, (ms, cnt) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:8]:
+            top.append(f"{shape:7}   gap {ms:7.3f} ms x{cnt:4.1f}  {k}")
         per_class["idle (wall - kernels)"] = max(0.0, wall - busy)
         top.append(f"{shape:7} host ms to issue one call: {statistics.median(host):.3f}; CUDA runtime calls per call: "
                    + ("; ".join(runtime_calls) or "none"))

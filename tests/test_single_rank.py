@@ -121,8 +121,8 @@ def check_all(got, want, dtype, *, loss_tol=None, grad_tol=None):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strategy):
+@pytest.mark.parametrize("strategy, grad_form", [("fused", "rowscale"), ("fused", "chunk_grad"), ("recompute", "rowscale")])
+def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strategy, grad_form):
     n, h, v = 37, 70, 101
     launches = []
     orig = launch._launch
@@ -133,16 +133,24 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
 
     monkeypatch.setattr(launch, "_launch", spy)
     hidden, weight, _, target = make_inputs(_seed(request), n, h, v)
-    got = run_flce(hidden, weight, None, target, strategy=strategy,
-                   chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32))
+    with settings.override(grad_form=grad_form):
+        got = run_flce(hidden, weight, None, target, strategy=strategy,
+                       chunk_bytes=chunk_bytes_for(strategy, n, v, torch.float32))
     check_all(got, run_ref(hidden, weight, None, target), torch.float32)
     names = [name for name, _, _ in launches]
-    grads = [(shape, blk) for name, shape, blk in launches if name == "chunk_grad"]
-    assert len(grads) >= 2, f"expected several logits chunks, got launches {names}"
-    assert all(blk["block_n"] < shape[0] for shape, blk in grads), grads
-    assert any(blk["block_v"] < shape[1] for shape, blk in grads), grads
+    if grad_form == "rowscale" and strategy == "fused":
+        # the row-scale form (rowscale.py): no chunk_grad_ pass; its gated fallback launched (closed) per chunk
+        assert "chunk_grad" not in names, names
+        gated = [(shape, blk) for name, shape, blk in launches if name == "dz_gated"]
+        assert len(gated) >= 2 and all(blk["block_n"] < shape[0] and blk["block_h"] < h and blk["block_v"] < v
+                                       for shape, blk in gated), gated
+    else:
+        grads = [(shape, blk) for name, shape, blk in launches if name == "chunk_grad"]
+        assert len(grads) >= 2, f"expected several logits chunks, got launches {names}"
+        assert all(blk["block_n"] < shape[0] for shape, blk in grads), grads
+        assert any(blk["block_v"] < shape[1] for shape, blk in grads), grads
     if strategy == "fused":
-        # one lse_forward launch per token chunk (logits stored + statistics)
+        # one lse_forward launch per token chunk (logits or exponentials stored + statistics)
         fwd = [(shape, blk) for name, shape, blk in launches if name == "lse_forward"]
         assert len(fwd) >= 2 and all(shape[0] <= 20 + 1 for shape, _ in fwd), fwd
         assert all(b["block_n"] < 37 and b["block_h"] < h and b["block_v"] < v for _, b in fwd)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab gradab gradbench scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain quack1 quack2 benchquack
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab gradab gradbench launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain quack1 quack2 benchquack
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv | t
 flt() { grep -v "DEBUG\|registered at"; }
 for w in ${*:-tests bench}; do
   case $w in
-    tests) timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
+    tests) timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
     tunestore) timeout 360 python3 -m flce_dist.tune --only lse_forward_store --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_store.log" | tail -14; cp configs/helion/h200.json "$OUT/" ;;
     tunecls) timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class --only lse_forward,lse_forward_store --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_h${TUNE_H:-2304}.log" | grep -v failed | tail -28; cp configs/helion/h200.json "$OUT/" ;;
     tunepers) for sh in "" "--h 2304 --v 262208 --shape-class --rows 1664"; do  # run 17: flattened persistent logits kernels, llama3 then gemma's class
@@ -30,6 +30,7 @@ for w in ${*:-tests bench}; do
                FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/kernel_profile.py --shapes llama3 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
     gradab) timeout 300 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale --shapes ${AB_SHAPES:-llama3,qwen3,gemma} 2>&1 | flt | grep "^\[" | tee "$OUT/gradab.log" ;;  # rowscale.py vs chunk_grad_, A B A B in one process
     gradbench) timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16 ;;
+    launchprobe) timeout 120 python3 benchmarks/launch_probe.py 2>&1 | flt | tee "$OUT/launch_probe.log" | tail -2 ;;  # where the profile's "idle" goes
     scaleprobe) timeout 90 python3 benchmarks/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
     tunechunk) timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}; cp configs/helion/h200.json "$OUT/" ;;
     tune) timeout 420 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;

@@ -225,9 +225,11 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             c, gate = rowscale.prepare_(z, local, st, rc, tc, gc, p)
             # a row outside the form's bounds: this chunk's dz recomputed the plain way (gated on the device)
             K.dz_gated(xc, w, z, tc, lse, gc, gate, p.logit_scale, 2.0 * p.z_loss, p.settings)
-            c = torch.where(gate != 0, torch.ones_like(c), c)[:, None]
-            # E' @ W in float32, scaled, rounded once (p_t - 1 is not cancelled in bf16)
-            torch.mul(torch.mm(z, w, out_dtype=torch.float32), c, out=dxc)
+            c = torch.where(gate != 0, torch.ones_like(c), c)
+            # E' @ W in float32, then dX = c (E' @ W) rounded once (p_t - 1 is not cancelled in bf16),
+            # and the dW operand c x, in one pass
+            xw = torch.empty_like(xc)
+            K.row_scale(torch.mm(z, w, out_dtype=torch.float32), xc, c, dxc, xw, p.settings)
         elif eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
             keep = K.chunk_grad_filtered_(z, tc, lse, gc, gc.abs(), eps, **kw)
             K.dx_masked(z, w, keep, dxc, False, p.settings)
@@ -238,7 +240,8 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             h = all_reduce_async(dxc, group)
             if h is not None:
                 handles.append(h)
-        xw = xc if c is None else torch.mul(xc, c, out=torch.empty_like(xc))  # dW = E'^T (c x)
+        if c is None:  # (the row-scale form's operand is c x: dW += E'^T (c x))
+            xw = xc
         if keep is not None:
             K.dw_masked(z, xc, keep, dw, i > 0, p.settings)
         elif i == 0:

@@ -23,6 +23,7 @@ SMALL_BLOCKS = {
     "masked_mm": {"block_n": 8, "block_v": 16, "block_h": 32},  # the gradient filter's blocks
     "scale": {"block": 64},
     "dz_gated": {"block_n": 16, "block_v": 32, "block_h": 32},  # the row-scale form's fallback
+    "row_scale": {"block_n": 8, "block_h": 16},
 }
 
 

@@ -18,6 +18,7 @@ Entry points (each falls back to its kernel file's torch reference where the ker
                                      entropy's gradient)
     dz_gated(x, w, dz, tl, lse, ...) dz = the chunk's dlogits from x, W, only where a device-side
                                      gate is open (the row-scale form's fallback)
+    row_scale(acc, x, c, dx, xw)     dx = acc * c, xw = x * c per row, one pass (the row-scale form)
     scale_(t, g)                     t *= grad_output in place, skipped on the device when it is 1
 
 Helion is imported on the first launch, not with this module. On a CPU tensor the first launch
@@ -52,11 +53,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
     # (block_n, block_v: the filter's mask blocks, which the dX and dW launches map onto block_m, block_k)
     "masked_mm": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
-    # a streaming pass, one tile per program: 32 bf16 per thread (four 16-byte accesses each way);
-    # run 17, 1 GiB bf16: 3.20 TB/s (torch._foreach_mul_ 2.69), 0.19 ms when grad_output is 1
-    "scale": {"block": {"block": 4096}, "config": {"num_warps": 4, "num_stages": 1}},
+    # a streaming pass, one tile per program: 128 bf16 per thread; run 18 (scale_probe), 1 GiB bf16:
+    # grad_output 1 0.103 ms (4096-element tiles: 0.202), other values 0.548 ms = 3.84 TB/s (4096:
+    # 0.672; torch._foreach_mul_ 0.781)
+    "scale": {"block": {"block": 16384}, "config": {"num_warps": 4, "num_stages": 1}},
     # the row-scale form's fallback, closed in the common case: persistent programs (a closed gate
     # costs a scalar read per tile step), the store pass's blocks when open
+    # the row-scale form's two row scalings: a streaming pass, 32 elements per thread (as scale)
+    "row_scale": {"block": {"block_n": 4, "block_h": 1024}, "config": {"num_warps": 4, "num_stages": 1}},
     "dz_gated": {"block": {"block_n": 128, "block_v": 256, "block_h": 64},
                  "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8],
                             "pid_type": "persistent_interleaved"}},
@@ -68,11 +72,12 @@ CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "masked_mm": {"block": {"block_n": 512, "block_v": 1024, "block_h": 4096}, "config": {}},
     "scale": {"block": {"block": 1 << 20}, "config": {}},
     "dz_gated": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
+    "row_scale": {"block": {"block_n": 512, "block_h": 4096}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
 BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_s", "block_v"),
                "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h"), "scale": ("block",),
-               "dz_gated": ("block_n", "block_v", "block_h")}
+               "dz_gated": ("block_n", "block_v", "block_h"), "row_scale": ("block_n", "block_h")}
 
 
 def arch_of(device: torch.device) -> str:
@@ -121,10 +126,11 @@ def _kernels() -> dict[str, Any]:
     from .dz_gated import dz_gated
     from .lse_forward import lse_forward_partials
     from .masked_mm import masked_mm
+    from .row_scale import row_scale
     from .scale import scale_
 
     return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats_partials, "chunk_grad": chunk_grad_,
-            "masked_mm": masked_mm, "scale": scale_, "dz_gated": dz_gated}
+            "masked_mm": masked_mm, "scale": scale_, "dz_gated": dz_gated, "row_scale": row_scale}
 
 
 _CONFIGURED: set[int] = set()
@@ -282,6 +288,17 @@ def dz_gated(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, target_local: t
         return dz_gated_reference(x, w, dz, target_local, lse, g, gate, scale, two_zl)
     return _launch("dz_gated", (x, w, dz, target_local, lse, g, gate, float(scale), float(two_zl)), x.device,
                    x.dtype, settings)
+
+
+def row_scale(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, xw: torch.Tensor,
+              settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dx = round(acc * c[:, None])`` and ``xw = round(x * c[:, None])`` in one pass
+    (kernels/row_scale.py: the row-scale form's dX and dW operand)."""
+    if x.numel() == 0 or _degenerate(*x.shape):
+        from .row_scale import row_scale_reference
+
+        return row_scale_reference(acc, x, c, dx, xw)
+    return _launch("row_scale", (acc, x, c, dx, xw), x.device, x.dtype, settings)
 
 
 def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor:

@@ -19,14 +19,16 @@ CPU_CHUNK_BYTES = 256 << 20
 
 
 def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, settings: Settings,
-               reserved_bytes: int = 0, share: int = 1) -> int:
+               reserved_bytes: int = 0, share: int = 1, row_extra_bytes: int = 0) -> int:
     """Rows per materialised logits chunk: the byte budget over the row size, then balanced.
 
     Budget: ``settings.chunk_bytes``, else on CUDA ``(EXTRA_BYTES - HEADROOM_BYTES) / share -
     reserved_bytes`` (at least 64 MiB), where ``reserved_bytes`` are the caller's other buffers that
     are not returned gradients (the recompute strategy's float32 dX accumulator) and ``share`` is the
     tensor-parallel size, so that each rank holds 1/P of the single-GPU plan's memory; else (CPU)
-    256 MiB. Rows are a multiple of 128 where the total allows, and the chunks are balanced:
+    256 MiB. ``row_extra_bytes``: the caller's other buffers per chunk row (the fused strategy's
+    row-scale form: [rows, H] float32 and [rows, H]), counted against that default budget only (an
+    explicit ``chunk_bytes`` is the logits chunk's own). Rows are a multiple of 128 where the total allows, and the chunks are balanced:
     ceil(total / rows) chunks of equal size (no small tail chunk, whose matmuls run inefficiently).
 
     Measured on the H200, bf16, N=8192 (benchmarks/NOTES.md, run 11): 384 MiB / 512 MiB / 1 GiB
@@ -41,7 +43,8 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
         budget = CPU_CHUNK_BYTES
     if total <= 0:
         return 1
-    rows = max(1, budget // max(1, row_elems * elem_size))
+    per_row = row_elems * elem_size + (row_extra_bytes if settings.chunk_bytes is None else 0)
+    rows = max(1, budget // max(1, per_row))
     if rows >= 256:
         rows = rows // 128 * 128
     if rows >= total:

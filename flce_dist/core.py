@@ -171,13 +171,24 @@ def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: 
                                        with_ent=p.return_entropy))
 
 
-def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None) -> int:
+def _helion_logits(x: torch.Tensor, p: FLCEParams) -> bool:
+    return p.settings.logits_backend == "helion" and not K.cublas_logits(x)
+
+
+def _row_scale_form(x: torch.Tensor, has_bias: bool, p: FLCEParams) -> bool:
+    """Whether the fused strategy takes the row-scale form (rowscale.py): the same on every rank."""
+    return rowscale.applies(x.dtype, has_bias, p, _helion_logits(x, p), bool(p.options.filter_eps(x.dtype)))
+
+
+def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, has_bias: bool) -> int:
     """Token rows per chunk of the fused strategy. Every rank must plan the same token chunks (one
     stats all-gather per chunk): plan with the largest shard of an even split, ceil(V / P), not this
     rank's own size, and 1/P of the budget. dX and dW are the returned gradients, so they are not
-    charged to the budget."""
+    charged to the budget; the row-scale form's two [rows, H] buffers are."""
     tp = group_size(group)
-    return chunk_rows(n, -(-p.vocab_size // tp), x.element_size(), x.device, p.settings, share=tp)
+    extra = rowscale.row_bytes(x.shape[1], x.dtype) if _row_scale_form(x, has_bias, p) else 0
+    return chunk_rows(n, -(-p.vocab_size // tp), x.element_size(), x.device, p.settings, share=tp,
+                      row_extra_bytes=extra)
 
 
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
@@ -200,8 +211,8 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     kw = _grad_kw(p)
     handles = []
     sp = p.sequence_parallel
-    helion_logits = p.settings.logits_backend == "helion" and not K.cublas_logits(x)
-    rs = rowscale.applies(x, w, b, p, helion_logits, bool(eps))
+    helion_logits = _helion_logits(x, p)
+    rs = _row_scale_form(x, b is not None, p) and n > 0 and v > 0
     ref = rowscale.reference(x, w, p.logit_scale) if rs else None
     # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
@@ -342,7 +353,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     valid = tgt != p.ignore_index
     pre = None
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
-    rows = fused_plan(x.shape[0], x, p, group) if fused else 0
+    rows = fused_plan(x.shape[0], x, p, group, bias is not None) if fused else 0
     guard = _Guard(x, tgt, valid, p, group, rows, bias is not None, needs_grad)
     if fused:
         g = row_weights(valid, p, num_items, acc_dtype(x.dtype))

@@ -23,8 +23,10 @@ row's max M. The form is exact (every quantity stays a normal float, within bf16
 ``chunk_grad_`` stores) when, per row,
 
     M_i - r_i <= MAX_SPREAD (60)      E <= e^60: no overflow of bf16 or of the fp32 matmul sums
-    r_i - lse_i >= -MIN_SCALE (80)    c stays a normal float32 (rows with g != 0)
-    |E'_it| <= 2^100                  the target entry fits in bf16 (rows with a local target)
+                                      (every row: an ignored row's inf E would meet c = 0 in dW)
+    |c_i| >= MIN_C (2^-100)           c x stays a normal bf16 for |x| >= 2^-26 (rows with g != 0;
+                                      under TP a shard far below the global lse fails this)
+    |E'_it| <= MAX_TARGET (2^100)     the target entry fits in bf16 (rows with a local target)
 
 Trained-model-like and random logits spread far less than 60 nats above the sample max. A chunk
 with any row outside these bounds (or a NaN: the cross-rank guard's poisoned lse) gets its dz the
@@ -42,20 +44,25 @@ from .options import FLCEParams
 
 SAMPLE = 256  # shard rows in the reference's sample
 MAX_SPREAD = 60.0  # max (M - r) in nats
-MIN_SCALE = 80.0  # max (lse - r) in nats for a row with a gradient
+MIN_C = 2.0**-100  # min |c| for a row with a gradient
 MAX_TARGET = 2.0**100  # max |E'_t|
 
 
-def applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, p: FLCEParams, helion_logits: bool,
-            filtered: bool) -> bool:
-    """Whether the fused strategy forms this call's gradient as row-scaled exponentials: Helion
-    logits in bf16 or float32 (float16's range is too short for the stored exponentials), no bias
-    (its gradient would need a column sum of E' weighted by c), no softcap or label smoothing (their
+def applies(dtype: torch.dtype, has_bias: bool, p: FLCEParams, helion_logits: bool, filtered: bool) -> bool:
+    """Whether the fused strategy forms a call's gradient as row-scaled exponentials: Helion logits
+    in bf16 or float32 (float16's range is too short for the stored exponentials), no bias (its
+    gradient would need a column sum of E' weighted by c), no softcap or label smoothing (their
     gradients do not factor per row), no gradient filter (it needs the dz blocks' magnitudes), and
-    ``Settings(grad_form="rowscale")`` (the default)."""
-    return (helion_logits and p.settings.grad_form == "rowscale" and x.dtype in (torch.bfloat16, torch.float32)
-            and bias is None and p.cap == 0 and p.label_smoothing == 0 and not filtered
-            and x.shape[0] > 0 and w.shape[0] > 0)
+    ``Settings(grad_form="rowscale")`` (the default). The same on every rank of a group (the chunk
+    plan counts the form's buffers); a rank with an empty shard or batch still skips the form."""
+    return (helion_logits and p.settings.grad_form == "rowscale" and dtype in (torch.bfloat16, torch.float32)
+            and not has_bias and p.cap == 0 and p.label_smoothing == 0 and not filtered)
+
+
+def row_bytes(h: int, dtype: torch.dtype) -> int:
+    """The form's memory per chunk row beside the chunk: the float32 ``E' @ W`` row and the ``c x``
+    row (``chunking.chunk_rows``' ``row_extra_bytes``; the references add [N] float32 per call)."""
+    return h * (4 + torch.empty((), dtype=dtype).element_size())
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
@@ -82,7 +89,7 @@ def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Te
         c = g * p.logit_scale * torch.exp(r - lse)
         et = torch.exp(lse - r) * torch.expm1(d)
     has_t = tl >= 0
-    ok = (m - r <= MAX_SPREAD) & ((g == 0) | (r - lse >= -MIN_SCALE)) & (~has_t | (et.abs() <= MAX_TARGET))
+    ok = (m - r <= MAX_SPREAD) & ((g == 0) | (c.abs() >= MIN_C)) & (~has_t | (et.abs() <= MAX_TARGET))
     gate = (~ok).any().to(torch.int32).reshape(1)  # NaN anywhere fails every comparison: the fallback
     flat = e.view(-1)
     idx = torch.arange(e.shape[0], device=e.device) * e.shape[1] + tl.clamp(min=0).to(torch.int64)

@@ -88,6 +88,29 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
         ck.close(f"{name}: TP dW == TP1 dW slice", ws.grad, w1.grad[s:e], gt)
 
 
+def rowscale_case(ck, dev, group, *, force: bool, **kw):
+    """The fused strategy's row-scale form (rowscale.py) under TP: each rank forms its shard's dz as
+    c E' against the global lse; with ``force`` the bound is set below 0 so that every chunk takes
+    the gated fallback (dz_gated) on every rank. The gates each rank saw are checked too."""
+    from flce_dist import rowscale
+
+    gates, real, bound = [], rowscale.prepare_, rowscale.MAX_SPREAD
+
+    def spy(*a, **k):
+        c, gate = real(*a, **k)
+        gates.append(int(gate.item()))
+        return c, gate
+
+    rowscale.prepare_ = spy
+    rowscale.MAX_SPREAD = -1.0 if force else bound
+    try:
+        case(ck, dev, group, strategy="fused", reduction="mean", bias=False, **kw)
+    finally:
+        rowscale.prepare_, rowscale.MAX_SPREAD = real, bound
+    ck.true(f"row-scale form taken, gates {'open' if force else 'closed'} ({kw}): {gates}",
+            bool(gates) and all(g == int(force) for g in gates))
+
+
 def entropy_case(ck, dev, group, *, n, h, v, dtype, sp, bias, use="both", seed=3, tol=None, **opts):
     """logprobs_and_entropy under TP (uneven V), optionally sequence-parallel: per-token log-probs,
     entropies and the gradients of ``sum(a * logp) + beta * sum(entropy)`` (or of one of the two:
@@ -413,6 +436,11 @@ def main():
                          sp=False, ignore="all")
                     case(ck, dev, group, n=3 * p, h=16, v=odd_v, dtype=dtype, strategy=strategy, reduction="sum", bias=True,
                          sp=True, ignore="all")
+            if everything:  # the row-scale form under TP: z-loss and temperature on, gates closed, then forced open
+                for force in (False, True):
+                    rowscale_case(ck, dev, group, force=force, n=9 * p, h=24, v=odd_v, dtype=dtypes[0], sp=False,
+                                  z_loss=1e-3, temperature=0.7)
+                rowscale_case(ck, dev, group, force=False, n=4 * p, h=24, v=odd_v, dtype=dtypes[-1], sp=True)
             # loss features, exact under TP (uneven V), both strategies
             feats = [dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=4.0), dict(temperature=0.7),
                      dict(num_items_in_batch=50), dict(label_smoothing=0.05, z_loss=1e-4, softcap=6.0, temperature=1.3)]

@@ -125,6 +125,16 @@ def test_chunk_plan_on_cuda_depends_only_on_shapes():
     assert chunk_rows(4096, 128256, 4, cuda) == 1408
     # the recompute strategy's vocab chunks: the fp32 dX accumulator is charged to the budget
     assert chunk_rows(128256, 8192, 2, cuda, reserved_bytes=8192 * 4096 * 4) == 42752
+    # the fused row-scale form's [rows, H] float32 + bf16 buffers: nothing changes at TP=1 / 2, fewer
+    # rows at TP=8 (120 MiB per rank: 2048 rows of 16032 bf16 + 24 KiB), and an explicit chunk_bytes
+    # stays the logits chunk's own
+    extra = 4096 * 6
+    assert chunk_rows(8192, 128256, 2, cuda, row_extra_bytes=extra) == 2816
+    assert chunk_rows(8192, 64128, 2, cuda, share=2, row_extra_bytes=extra) == 2816
+    assert chunk_rows(8192, 16032, 2, cuda, share=8) == 2816
+    assert chunk_rows(8192, 16032, 2, cuda, share=8, row_extra_bytes=extra) == 2048
+    with flce_settings.override(chunk_bytes=100 * 16032 * 2):
+        assert chunk_rows(8192, 16032, 2, cuda, share=8, row_extra_bytes=extra) == 100
     # everything fits: one chunk; a tiny budget: at least 64 MiB
     assert chunk_rows(1000, 128256, 2, cuda) == 1000
     assert chunk_rows(8192, 128256, 2, cuda, reserved_bytes=10 << 30) == (64 << 20) // (128256 * 2) // 128 * 128

@@ -71,6 +71,83 @@ def test_rowscale_fallback_on_a_wide_row(small_tiles, request, monkeypatch):
     check_all(got, run_ref(hidden, weight, None, target), torch.float32)
 
 
+def test_rowscale_fallback_on_an_ignored_wide_row(small_tiles, request, monkeypatch):
+    """The spread bound holds for ignored rows too (their E would be inf against c = 0 in the dW
+    matmul: NaN): an ignored token with a logit ~100 nats above the sample opens its chunk's gate."""
+    hidden, weight, _, target = make_inputs(_seed(request), N, H, V, torch.float32)
+    weight[1] = hidden[18] * (100.0 / hidden[18].norm() ** 2)  # row 1 is outside the strided sample
+    target[18] = -100
+    spy = _Spy(monkeypatch)
+    got = run_flce(hidden, weight, None, target, strategy="fused", chunk_bytes=CHUNK[torch.float32])
+    assert spy.gates == [0, 1, 0]
+    check_all(got, run_ref(hidden, weight, None, target), torch.float32)
+
+
+def _shard_case(seed: int, zl: float = 0.0):
+    """A vocab shard (rows [100, 400) of 601) as a rank of a TP group sees it: local stats from the
+    store pass, global stats from the whole vocabulary, local targets (-1: on another rank)."""
+    g = torch.Generator().manual_seed(seed)
+    n, h, v, lo, hi = 29, 40, 601, 100, 400
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) * 2 / h**0.5
+    t = torch.randint(0, v, (n,), generator=g)
+    s = settings.Settings(blocks=SMALL_BLOCKS)
+    tl = torch.where((t >= lo) & (t < hi), t - lo, -1).to(torch.int32)
+    ws = w[lo:hi].contiguous()
+    r = rowscale.reference(x, ws, 1.0)
+    e = torch.empty(n, hi - lo)
+    local = launch.lse_forward(x, ws, None, tl, 1.0, 0.0, False, s, z_out=e, exp_ref=r)
+    full = launch.lse_forward(x, w, None, t.to(torch.int32), 1.0, 0.0, False, s)  # global lse, target logit
+    gw = torch.rand(n, generator=g)
+    p = FLCEParams(lo, v, LossOptions(z_loss=zl), s)
+    return x, ws, tl, r, e, local, full, gw, p
+
+
+@pytest.mark.parametrize("zl", [0.0, 1e-3])
+def test_rowscale_under_tp_statistics(zl):
+    """prepare_ with this shard's local stats and the global ones (another rank holds most targets):
+    c E' is chunk_grad_'s dz of the shard against the global lse, and the gate stays closed."""
+    x, ws, tl, r, e, local, full, gw, p = _shard_case(7, zl)
+    assert (tl < 0).any() and (tl >= 0).any()
+    c, gate = rowscale.prepare_(e, local, full, r, tl, gw, p)
+    assert gate.item() == 0
+    want = chunk_grad_reference_(x @ ws.T, tl, full[:, 0], gw, 1.0, 0.0, 1.0, 2 * zl, 0.0)
+    assert rel(c[:, None] * e, want) < 1e-5
+
+
+def test_rowscale_bounds_each_open_the_gate(monkeypatch):
+    """Each bound alone opens the gate (and the same case without it keeps it closed): the scale c
+    of a row with a gradient (a shard ~75 nats below the global lse: c x would round to 0 in bf16),
+    the target entry (z-loss with 1 + 2 zl lse = 0; the c bound switched off, since c = 0 there
+    fails it too) and the spread."""
+    x, ws, tl, r, e, local, full, gw, p = _shard_case(8)
+    _, gate = rowscale.prepare_(e.clone(), local, full, r, tl, gw, p)
+    assert gate.item() == 0
+    j = int(torch.nonzero(tl < 0)[0])  # a row whose target is on another rank: only c is bounded
+    far = full.clone()
+    far[j, 0] += 75.0  # c ~ g e^-75 < 2^-100
+    _, gate = rowscale.prepare_(e.clone(), local, far, r, tl, gw, p)
+    assert gate.item() == 1
+    gz = gw.clone()
+    gz[j] = 0.0  # the same row ignored (g = 0): no bound on its c
+    _, gate = rowscale.prepare_(e.clone(), local, far, r, tl, gz, p)
+    assert gate.item() == 0
+    i = int(torch.nonzero(tl >= 0)[0])  # a row with its target here
+    zl = FLCEParams(p.vocab_start, p.vocab_size, LossOptions(z_loss=1.0), p.settings)
+    lse1 = full.clone()
+    lse1[i, 0] = -0.5  # 1 + 2 zl lse = 0: E'_t = (...) / (1 + a) is inf
+    monkeypatch.setattr(rowscale, "MIN_C", 0.0)
+    _, gate = rowscale.prepare_(e.clone(), local, lse1, r, tl, gw, zl)
+    assert gate.item() == 1
+    monkeypatch.setattr(rowscale, "MAX_TARGET", float("inf"))
+    _, gate = rowscale.prepare_(e.clone(), local, lse1, r, tl, gw, zl)
+    assert gate.item() == 0  # (inf <= inf: the target bound was the one that opened it)
+    wide = local.clone()
+    wide[5, 3] = r[5] + rowscale.MAX_SPREAD + 1.0
+    _, gate = rowscale.prepare_(e.clone(), wide, full, r, tl, gw, p)
+    assert gate.item() == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rowscale_fallback_forced(small_tiles, request, monkeypatch, dtype):
     """With the bound at -1 every chunk takes the gated fallback (dz_gated): the chunk_grad_ form's
@@ -152,15 +229,12 @@ def test_kernel_exp_store_and_gate():
 
 
 def test_rowscale_applies_where_it_can():
-    x, w = torch.zeros(4, 8), torch.zeros(16, 8)
-
-    def ok(dtype=torch.float32, bias=None, helion=True, filtered=False, s=settings.Settings(), **opts):
-        return rowscale.applies(x.to(dtype), w.to(dtype), bias, FLCEParams(0, 16, LossOptions(**opts), s), helion,
-                                filtered)
+    def ok(dtype=torch.float32, bias=False, helion=True, filtered=False, s=settings.Settings(), **opts):
+        return rowscale.applies(dtype, bias, FLCEParams(0, 16, LossOptions(**opts), s), helion, filtered)
 
     assert ok() and ok(torch.bfloat16) and ok(z_loss=1e-4, temperature=0.5)
     assert not ok(torch.float16)
-    assert not ok(bias=torch.zeros(16))
+    assert not ok(bias=True)
     assert not ok(softcap=30.0)
     assert not ok(label_smoothing=0.1)
     assert not ok(filtered=True)

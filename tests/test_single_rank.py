@@ -127,8 +127,12 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
     launches = []
     orig = launch._launch
 
+    stores = []
+
     def spy(name, args, device, dtype, settings, variant="", h=None, blocks=None):
         launches.append((name, tuple(args[0].shape), launch.entry(name, device, dtype, variant, h, settings)["block"]))
+        if name == "lse_forward":
+            stores.append(args[9])  # the store mode
         return orig(name, args, device, dtype, settings, variant, h, blocks)
 
     monkeypatch.setattr(launch, "_launch", spy)
@@ -144,7 +148,13 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
         gated = [(shape, blk) for name, shape, blk in launches if name == "dz_gated"]
         assert len(gated) >= 2 and all(blk["block_n"] < shape[0] and blk["block_h"] < h and blk["block_v"] < v
                                        for shape, blk in gated), gated
-    else:
+        scaled = [(shape, blk) for name, shape, blk in launches if name == "row_scale"]
+        assert len(scaled) == len(gated) and all(blk["block_n"] < shape[0] and blk["block_h"] < h
+                                                 for shape, blk in scaled), scaled
+        assert stores and all(m == launch.STORE_EXP for m in stores), stores  # exponentials, not logits
+    elif strategy == "fused":
+        assert stores and all(m == launch.STORE_LOGITS for m in stores), stores
+    if not (grad_form == "rowscale" and strategy == "fused"):
         grads = [(shape, blk) for name, shape, blk in launches if name == "chunk_grad"]
         assert len(grads) >= 2, f"expected several logits chunks, got launches {names}"
         assert all(blk["block_n"] < shape[0] for shape, blk in grads), grads

@@ -57,10 +57,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # grad_output 1 0.103 ms (4096-element tiles: 0.202), other values 0.548 ms = 3.84 TB/s (4096:
     # 0.672; torch._foreach_mul_ 0.781)
     "scale": {"block": {"block": 16384}, "config": {"num_warps": 4, "num_stages": 1}},
+    # the row-scale form's two row scalings: a streaming pass, 32 elements per thread
+    "row_scale": {"block": {"block_n": 4, "block_h": 1024}, "config": {"num_warps": 4, "num_stages": 1}},
     # the row-scale form's fallback, closed in the common case: persistent programs (a closed gate
     # costs a scalar read per tile step), the store pass's blocks when open
-    # the row-scale form's two row scalings: a streaming pass, 32 elements per thread (as scale)
-    "row_scale": {"block": {"block_n": 4, "block_h": 1024}, "config": {"num_warps": 4, "num_stages": 1}},
     "dz_gated": {"block": {"block_n": 128, "block_v": 256, "block_h": 64},
                  "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8],
                             "pid_type": "persistent_interleaved"}},

@@ -34,7 +34,7 @@ def row_scale(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Ten
 
 def row_scale_reference(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Tensor,
                         xw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's math in torch (size-1 dims, float64)."""
+    """The kernel's math in torch (size-1 dims)."""
     dx.copy_(acc * c[:, None])
     xw.copy_(x.to(c.dtype) * c[:, None])
     return dx, xw

@@ -117,6 +117,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _with_grad_form(form, x, w, t, group):
+    with flce_dist.settings.override(grad_form=form):
+        return flce_dist.fused_linear_cross_entropy(x, w, t, group=group)
+
+
 def main():
     args = parse_args()
     rank = int(os.environ["RANK"])
@@ -171,6 +176,8 @@ def main():
             "megatron": lambda: _MegatronVocabParallelCE.apply(_CopyToTP.apply(x, group) @ w.T, t, s, group).mean(),
             "liger_vp": lambda: lg((_CopyToTP.apply(x, group) @ w.T)[:, None, :], t[:, None], tp_group=group).mean(),
         }
+        if "grad_form" in inspect.signature(flce_dist.settings.override).parameters:  # the chunk_grad_ form (before rowscale.py)
+            fns["flce_chunkgrad"] = lambda: _with_grad_form("chunk_grad", x, w, t, group)
         if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
             fns["flce_filter"] = lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group, grad_filter_eps="auto")
         if "deepspeed" in impls:

@@ -59,7 +59,13 @@ def main() -> None:
             from flce_dist import rowscale
 
             real, gates = rowscale.prepare_, []
-            rowscale.prepare_ = lambda *a, **k: (lambda r: (gates.append(r[1]), r)[1])(real(*a, **k))
+
+            def spy(*a, **k):
+                c, gate = real(*a, **k)
+                gates.append(gate)
+                return c, gate
+
+            rowscale.prepare_ = spy
             try:
                 with flce_dist.settings.override(grad_form="rowscale"):
                     flce_dist.fused_linear_cross_entropy(x, w, t).backward()

@@ -17,6 +17,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from flce_dist import tune
 from flce_dist._timing import cuda_steady_ms
 from flce_dist.kernels import launch
 from flce_dist.settings import current
@@ -37,11 +38,9 @@ def main() -> None:
     s = current()
     call = lambda: launch.lse_forward(x, w, None, t, 1.0, 0.0, False, s, z_out=z, exp_ref=r)  # noqa: E731
     call()
-    e = launch.entry("lse_forward", x.device, x.dtype, "store", a.h, s)
-    full = (x, w, w.new_zeros(1), t, z, r, 1.0, 0.0, False, launch.STORE_EXP, False, False,
-            *(e["block"][k] for k in launch.BLOCK_ORDER["lse_forward"]))
-    bound = launch._kernels()["lse_forward"].bind(full)
-    kernel_only = lambda: bound(*full)  # noqa: E731
+    kernel_only = tune._run(launch._kernels()["lse_forward"],  # the same entry, bound and configured explicitly
+                            (x, w, w.new_zeros(1), t, z, r, 1.0, 0.0, False, launch.STORE_EXP, False, False),
+                            launch.entry("lse_forward", x.device, x.dtype, "store", a.h, s), launch.BLOCK_ORDER["lse_forward"])
     mm = cuda_steady_ms(lambda: torch.mm(x, w.T, out=z), 10)
     api = cuda_steady_ms(call, 10)
     bare = cuda_steady_ms(kernel_only, 10)

@@ -220,6 +220,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         xc, tc, gc = x[i:i + rows], tl[i:i + rows], g[i:i + rows]
         z = zbuf[: xc.shape[0]]
         dxc = dx[i:i + rows]
+        xw = xc  # the dW matmul's x operand (the row-scale form's: c x)
         if rs:  # the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
             rc = ref[i:i + rows]
             local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc)
@@ -231,12 +232,11 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         st = guard.combine(local)
         stats[i:i + rows] = st
         lse = st[:, 0].contiguous()
-        keep = c = None
+        keep = None
         if rs:
             c, gate = rowscale.prepare_(z, local, st, rc, tc, gc, p)
             # a row outside the form's bounds: this chunk's dz recomputed the plain way (gated on the device)
             K.dz_gated(xc, w, z, tc, lse, gc, gate, p.logit_scale, 2.0 * p.z_loss, p.settings)
-            c = torch.where(gate != 0, torch.ones_like(c), c)
             # E' @ W in float32, then dX = c (E' @ W) rounded once (p_t - 1 is not cancelled in bf16),
             # and the dW operand c x, in one pass
             xw = torch.empty_like(xc)
@@ -251,8 +251,6 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             h = all_reduce_async(dxc, group)
             if h is not None:
                 handles.append(h)
-        if c is None:  # (the row-scale form's operand is c x: dW += E'^T (c x))
-            xw = xc
         if keep is not None:
             K.dw_masked(z, xc, keep, dw, i > 0, p.settings)
         elif i == 0:

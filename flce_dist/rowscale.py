@@ -80,7 +80,8 @@ def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Te
              g: torch.Tensor, p: FLCEParams) -> tuple[torch.Tensor, torch.Tensor]:
     """For one chunk after its statistics all-gather: writes the target entries E'_it into ``e``
     (the stored exponentials [Nc, V]) and returns ``(c, gate)``: the row scales [Nc] float32 and the
-    fallback gate [1] int32 (1 where some row is outside the bounds above). ``local``, ``st``: this
+    fallback gate [1] int32 (1 where some row is outside the bounds above; c is then 1 in every row,
+    since ``dz_gated`` writes the final dz). ``local``, ``st``: this
     rank's and the global [Nc, >=4] stats; ``r`` the references, ``tl`` local targets (-1: none
     here), ``g`` the gradient weights."""
     lse, yt, m = st[:, 0], st[:, 1], local[:, 3]
@@ -95,6 +96,7 @@ def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Te
     has_t = tl >= 0
     ok = (m - r <= MAX_SPREAD) & ((g == 0) | (c.abs() >= MIN_C)) & (~has_t | (et.abs() <= MAX_TARGET))
     gate = (~ok).any().to(torch.int32).reshape(1)  # NaN anywhere fails every comparison: the fallback
+    c = torch.where(gate != 0, torch.ones_like(c), c)
     flat = e.view(-1)
     idx = torch.arange(e.shape[0], device=e.device) * e.shape[1] + tl.clamp(min=0).to(torch.int64)
     flat[idx] = torch.where(has_t, et.to(e.dtype), flat[idx])  # rows without a local target: unchanged

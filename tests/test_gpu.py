@@ -322,10 +322,10 @@ def test_rowscale_form_on_cuda(shape, opts, monkeypatch):
     (their shipped configs compiled and opened)."""
     from flce_dist import rowscale, settings
 
+    from .test_rowscale import _Spy
+
     x, w, t = _case(*shape, torch.bfloat16)
-    gates = []
-    real = rowscale.prepare_
-    monkeypatch.setattr(rowscale, "prepare_", lambda *a, **k: (lambda r: (gates.append(int(r[1].item())), r)[1])(real(*a, **k)))
+    gates = _Spy(monkeypatch).gates
     got = _grads(x, w, t, **opts)
     assert gates and not any(gates), gates
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()

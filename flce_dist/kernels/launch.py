@@ -200,7 +200,9 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
         # cuBLAS logits + chunk_stats, token chunk by token chunk when nothing asks for the logits
         # (memory O(chunk))
         if store == STORE_EXP:  # (the fused strategy takes it on Helion logits only: here for size-1 dims)
-            return _lse_forward_exp_torch(x, w, bias, target_local, scale, softcap, with_sum, z_out, with_ent, exp_ref)
+            from .lse_forward import lse_forward_reference
+
+            return lse_forward_reference(x, w, bias, target_local, scale, softcap, with_sum, z_out, with_ent, exp_ref)
 
         def stats(xc: torch.Tensor, tc: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
             return chunk_stats(logits(xc, w, bias, out), tc, scale, softcap, with_sum, settings, with_ent)
@@ -219,17 +221,6 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
                                     bool(bias is not None), store, bool(with_sum), bool(with_ent)),
                     x.device, x.dtype, settings, "store" if z_out is not None else "", x.shape[1])
     return merge_partials(*parts, with_sum, with_ent)
-
-
-def _lse_forward_exp_torch(x, w, bias, target_local, scale, softcap, with_sum, z_out, with_ent, exp_ref):
-    """``lse_forward`` with ``exp_ref`` where the kernel cannot run (size-1 dims), in torch."""
-    from ..formulas import transform
-    from .chunk_stats import chunk_stats_reference
-
-    z = logits(x, w, bias)
-    cols = chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)
-    z_out.copy_(torch.exp(transform(z, scale, softcap) - exp_ref[:, None]))
-    return torch.stack(cols if with_ent else cols[:4], dim=1)
 
 
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,

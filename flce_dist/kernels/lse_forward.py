@@ -40,6 +40,7 @@ import helion
 import helion.language as hl
 import torch
 
+from ..formulas import transform
 from .chunk_stats import chunk_stats_reference
 from .common import LOG2E, SETTINGS
 
@@ -122,11 +123,12 @@ def merge_partials(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, p
 
 def lse_forward_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                           scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None,
-                          with_ent: bool = False) -> torch.Tensor:
+                          with_ent: bool = False, exp_ref: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's math in torch (full logits of ``x``, rounded to x's dtype, as the kernel does):
-    ``[N, 4]`` stats (``[N, 5]`` with the entropy); the logits go to ``z_out`` when given."""
+    ``[N, 4]`` stats (``[N, 5]`` with the entropy); the logits go to ``z_out`` when given, or with
+    ``exp_ref`` their exponentials ``exp(y - exp_ref)`` (store == 2)."""
     z = torch.mm(x, w.T) if bias is None else torch.addmm(bias, x, w.T)
     if z_out is not None:
-        z_out.copy_(z)
+        z_out.copy_(z if exp_ref is None else torch.exp(transform(z, scale, softcap) - exp_ref[:, None]))
     cols = chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)
     return torch.stack(cols if with_ent else cols[:4], dim=1)

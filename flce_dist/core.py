@@ -69,38 +69,27 @@ from .vocab_order import VocabOrder
 def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Tensor:
     """Shard-local target ids (int32: the kernels compare them with int32 tile indices; int64
     compares are emulated on the GPU); -1 where the target is ignored or owned by another rank."""
-    tl = target - p.vocab_start
-    ok = (tl >= 0) & (tl < v_local) & (target != p.ignore_index)
-    return torch.where(ok, tl, torch.full_like(tl, -1)).to(torch.int32)
-
-
-def token_loss(stats: torch.Tensor, valid: torch.Tensor, p: FLCEParams) -> torch.Tensor:
-    """Per-token loss from the global stats: lse - (1-eps) y_t - eps/V sum_v y + zl lse^2."""
-    lse, t, sumy = stats[:, 0], stats[:, 1], stats[:, 2]
-    loss = lse - (1.0 - p.label_smoothing) * t
-    if p.label_smoothing > 0:
-        loss = loss - (p.label_smoothing / p.vocab_size) * sumy
-    if p.z_loss > 0:
-        loss = loss + p.z_loss * lse * lse
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    return K.target_rows(target, p.vocab_start, v_local, p.vocab_size, p.ignore_index, p.settings)[0]
 
 
 def row_weights(valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows."""
+                dtype: torch.dtype = torch.float32, denom: torch.Tensor | None = None) -> torch.Tensor:
+    """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows
+    (``denom``: the mean's denominator, if already computed)."""
     w = valid.to(dtype)
     if p.reduction == "mean":
-        w = w / mean_denominator(valid, num_items, dtype)
+        w = w / (denom if denom is not None else mean_denominator(valid, num_items, dtype))
     return w
 
 
-def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None) -> torch.Tensor:
+def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
+                denom: torch.Tensor | None = None) -> torch.Tensor:
     if p.reduction == "none":
         return loss
     total = loss.sum()
     if p.reduction == "sum":
         return total
-    return total / mean_denominator(valid, num_items, torch.float32)
+    return total / (denom if denom is not None else mean_denominator(valid, num_items, torch.float32))
 
 
 def uses_fused(needs_grad: bool, reduction: str, strategy: str, entropy: bool = False) -> bool:
@@ -127,21 +116,15 @@ class _Guard:
     is free (CPU) or already paid (``check_finite``), raises the same ValueError on every rank at that
     first all-gather. Its words are built at that first all-gather, after the first chunk's matmul
     kernel is enqueued, so their ~10 small launches and the call digest overlap it on the GPU
-    instead of delaying it. Also owns the call's bad-target mask (``bad``, built on first use)."""
+    instead of delaying it. ``bad``: the call's targets outside ``[0, V)`` that are not
+    ``ignore_index`` (``kernels/targets.py``; their loss becomes NaN)."""
 
-    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, valid: torch.Tensor, p: FLCEParams,
+    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
                  group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool) -> None:
-        self.x, self.tgt, self.valid, self.p, self.rows = x, tgt, valid, p, rows
+        self.x, self.tgt, self.bad, self.p, self.rows = x, tgt, bad, p, rows
         self.has_bias, self.needs_grad = has_bias, needs_grad
         self.raise_ok = can_raise(x, p)
-        self.group, self.ok, self._bad = group, None, None
-
-    @property
-    def bad(self) -> torch.Tensor:
-        """Targets outside ``[0, V)`` that are not ``ignore_index`` (their loss becomes NaN)."""
-        if self._bad is None:
-            self._bad = self.valid & ((self.tgt < 0) | (self.tgt >= self.p.vocab_size))
-        return self._bad
+        self.group, self.ok = group, None
 
     def _words(self) -> torch.Tensor | None:
         if group_size(self.group) == 1:  # a single rank has no peers to agree with: nothing to build
@@ -347,25 +330,27 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     x = all_gather_rows(hidden, group) if sp else hidden
     tgt = all_gather_rows(target, group) if sp else target
     n_in = hidden.shape[0]
-    tl = local_targets(tgt, p, weight.shape[0])
-    valid = tgt != p.ignore_index
+    # shard-local ids, the valid mask and the bad-target mask in one launch (kernels/targets.py)
+    tl, valid, bad = K.target_rows(tgt, p.vocab_start, weight.shape[0], p.vocab_size, p.ignore_index, p.settings)
+    denom = mean_denominator(valid, num_items, acc_dtype(x.dtype)) if p.reduction == "mean" else None
     pre = None
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None) if fused else 0
-    guard = _Guard(x, tgt, valid, p, group, rows, bias is not None, needs_grad)
+    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, needs_grad)
     if fused:
-        g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
+        g = row_weights(valid, p, num_items, acc_dtype(x.dtype), denom)
         stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard)
         if sp:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
     else:
         stats = forward_stats(x, weight, bias, tl, p, guard)
-    loss_rows = token_loss(stats, valid, p)
-    # A target outside [0, V) that is not ignore_index poisons its loss with NaN (no device assert,
-    # no host sync; the API raises instead where the check is free, on CPU without a group, and the
-    # guard on every rank of a group).
-    loss_rows = torch.where(guard.bad, torch.full_like(loss_rows, float("nan")), loss_rows)
+    # Per-token loss, accuracy (the target's logit is the row max over all shards; ties count) and
+    # lse in one launch (kernels/token_loss.py). A target outside [0, V) that is not ignore_index
+    # poisons its loss with NaN (no device assert, no host sync; the API raises instead where the
+    # check is free, on CPU without a group, and the guard on every rank of a group).
+    loss_rows, correct_all, lse_all = K.token_rows(stats, valid, bad, p.label_smoothing, p.vocab_size, p.z_loss,
+                                                   p.settings)
     rank_slice = slice(0, n_in)
     if sp:
         r = dist.get_rank(group)
@@ -373,15 +358,14 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if p.reduction == "none":
         loss = loss_rows[rank_slice].to(acc_dtype(hidden.dtype))
     else:
-        loss = reduce_loss(loss_rows, valid, p, num_items)
-    lse = stats[rank_slice, 0].clone()
-    # token accuracy: the target's logit is the row max over all shards (ties count as correct)
-    correct = (valid & (stats[:, 1] >= stats[:, 3]))[rank_slice]
+        loss = reduce_loss(loss_rows, valid, p, num_items, denom)
+    lse = lse_all[rank_slice].clone()  # the returned lse: not the tensor the backward saves
+    correct = correct_all[rank_slice]
     ent_all = ent = None
     if p.return_entropy:
         ent_all = torch.where(valid, stats[:, 4], torch.zeros_like(stats[:, 4]))
         ent = ent_all[rank_slice].clone()
-    return loss, lse, correct, ent, pre, (x, tl, stats[:, 0].contiguous(), valid, ent_all)
+    return loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all)
 
 
 def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,

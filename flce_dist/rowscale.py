@@ -83,7 +83,20 @@ def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Te
     fallback gate [1] int32 (1 where some row is outside the bounds above; c is then 1 in every row,
     since ``dz_gated`` writes the final dz). ``local``, ``st``: this
     rank's and the global [Nc, >=4] stats; ``r`` the references, ``tl`` local targets (-1: none
-    here), ``g`` the gradient weights."""
+    here), ``g`` the gradient weights. One launch (``kernels/row_prepare.py``) and the gate's
+    ``where``; ``prepare_reference`` (torch) for size-1 dims."""
+    from .kernels import launch
+
+    if launch.degenerate(*e.shape):
+        return prepare_reference(e, local, st, r, tl, g, p)
+    c, gate = launch.row_prepare(e, local, st, r, tl, g, p.logit_scale, 2.0 * p.z_loss, MAX_SPREAD, MIN_C, MAX_TARGET,
+                                 p.settings)
+    return torch.where(gate != 0, torch.ones_like(c), c), gate
+
+
+def prepare_reference(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Tensor, tl: torch.Tensor,
+                      g: torch.Tensor, p: FLCEParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prepare_`` in torch (``kernels/row_prepare.py``'s math)."""
     lse, yt, m = st[:, 0], st[:, 1], local[:, 3]
     d = yt - lse  # log p_t
     if p.z_loss > 0:

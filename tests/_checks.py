@@ -24,6 +24,10 @@ SMALL_BLOCKS = {
     "scale": {"block": 64},
     "dz_gated": {"block_n": 16, "block_v": 32, "block_h": 32},  # the row-scale form's fallback
     "row_scale": {"block_n": 8, "block_h": 16},
+    "merge": {"block_n": 8, "block_t": 2},  # the partial merge (kernels/merge.py)
+    "row_prepare": {"block_n": 8},  # the row-scale form's per-row step
+    "target_rows": {"block_n": 8},  # per-token bookkeeping (kernels/targets.py, kernels/token_loss.py)
+    "token_rows": {"block_n": 8},
 }
 
 

@@ -344,3 +344,65 @@ def test_rowscale_form_on_cuda(shape, opts, monkeypatch):
     assert gates and all(gates), gates
     for a, b in zip(forced, other):
         assert rel(a, b) <= 1e-3
+
+
+@pytest.mark.parametrize("nt, n", [(501, 2816), (13, 37)])
+def test_row_kernels_on_cuda(nt, n):
+    """The per-row kernels with the shipped configs against their torch forms on the GPU: the partial
+    merge (kernels/merge.py, -inf tiles and rows, every column), the row-scale step
+    (kernels/row_prepare.py, gate closed and opened), target and token rows (kernels/targets.py,
+    kernels/token_loss.py)."""
+    from flce_dist import rowscale
+    from flce_dist.kernels import launch
+    from flce_dist.kernels.lse_forward import merge_partials
+    from flce_dist.kernels.targets import target_rows_reference
+    from flce_dist.kernels.token_loss import token_rows_reference
+    from flce_dist.options import FLCEParams, LossOptions
+    from flce_dist.settings import Settings
+
+    g = torch.Generator(device="cuda").manual_seed(nt)
+    dev = "cuda"
+    s = Settings()
+    pmax = torch.randn(nt, n, device=dev, generator=g) * 3
+    psum = torch.rand(nt, n, device=dev, generator=g) * 10 + 1
+    pent, psumy = torch.rand(nt, n, device=dev, generator=g), torch.randn(nt, n, device=dev, generator=g)
+    pmax[1, 3] = pmax[:, 5] = float("-inf")
+    psum[1, 3] = psum[:, 5] = pent[1, 3] = pent[:, 5] = 0.0
+    for ptgt in (torch.randn(nt, n, device=dev, generator=g), torch.randn(1, n, device=dev, generator=g)):
+        for ws, we in ((False, False), (True, True)):
+            args = (pmax, psum, ptgt, psumy if ws else psumy[:1], pent if we else pent[:1], ws, we)
+            got, want = launch.merge(*args, s), merge_partials(*args)
+            assert torch.equal(got.isfinite(), want.isfinite())
+            fin = want.isfinite()
+            assert (got[fin] - want[fin]).abs().max() < 1e-4
+    v = 300
+    for zl in (0.0, 1e-3):
+        e = torch.rand(n, v, device=dev, generator=g).to(torch.bfloat16)
+        local, st = torch.randn(n, 4, device=dev, generator=g), torch.randn(n, 4, device=dev, generator=g)
+        st[:, 0] = st[:, 1].abs() + 2.0
+        r = local[:, 3] - torch.rand(n, device=dev, generator=g)
+        tl = torch.randint(-1, v, (n,), device=dev, generator=g).to(torch.int32)
+        gw = torch.rand(n, device=dev, generator=g)
+        p = FLCEParams(0, v, LossOptions(z_loss=zl), s)
+        for wide in (False, True):
+            lc = local.clone()
+            if wide:
+                lc[n - 2, 3] = r[n - 2] + rowscale.MAX_SPREAD + 1.0
+            e1, e2 = e.clone(), e.clone()
+            c1, g1 = rowscale.prepare_(e1, lc, st, r, tl, gw, p)
+            c2, g2 = rowscale.prepare_reference(e2, lc, st, r, tl, gw, p)
+            assert g1.item() == g2.item() == int(wide)
+            torch.testing.assert_close(c1, c2, rtol=1e-5, atol=0)
+            torch.testing.assert_close(e1, e2, rtol=1e-2, atol=0)
+    t = torch.randint(-3, 1003, (n,), device=dev, generator=g)
+    t[::7] = -100
+    for start, vl in ((0, 1000), (400, 300)):
+        got, want = launch.target_rows(t, start, vl, 1000, -100, s), target_rows_reference(t, start, vl, 1000, -100)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _, valid, bad = got
+    stats = torch.randn(n, 4, device=dev, generator=g)
+    for ls, zl in ((0.0, 0.0), (0.1, 1e-3)):
+        a = launch.token_rows(stats, valid, bad, ls, 1000, zl, s)
+        b = token_rows_reference(stats, valid, bad, 1.0 - ls, ls / 1000, zl)
+        torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])

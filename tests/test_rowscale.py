@@ -115,6 +115,38 @@ def test_rowscale_under_tp_statistics(zl):
     assert rel(c[:, None] * e, want) < 1e-5
 
 
+@pytest.mark.parametrize("zl", [0.0, 1e-3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_prepare_kernel_matches_torch(zl, dtype):
+    """kernels/row_prepare.py (reference mode, several row tiles, a partial last one) against
+    rowscale.prepare_reference: the same c, target entries and gate, with the gate closed, opened by
+    one wide row in the last tile, and by a NaN lse."""
+    g = torch.Generator().manual_seed(11 + int(zl > 0))
+    n, v = 37, 53
+    e = torch.rand(n, v, generator=g).to(dtype)
+    local, st = torch.randn(n, 4, generator=g), torch.randn(n, 4, generator=g)
+    st[:, 0] = st[:, 1].abs() + 2.0  # lse above the target logit
+    r = local[:, 3] - torch.rand(n, generator=g)
+    tl = torch.randint(-1, v, (n,), generator=g).to(torch.int32)
+    gw = torch.rand(n, generator=g)
+    gw[3] = 0.0
+    p = FLCEParams(0, v, LossOptions(z_loss=zl), settings.Settings(blocks={"row_prepare": {"block_n": 8}}))
+    for case in ("closed", "wide", "nan"):
+        lc, sc = local.clone(), st.clone()
+        if case == "wide":
+            lc[34, 3] = r[34] + rowscale.MAX_SPREAD + 1.0
+        elif case == "nan":
+            sc[7, 0] = float("nan")
+        e1, e2 = e.clone(), e.clone()
+        c1, g1 = rowscale.prepare_(e1, lc, sc, r, tl, gw, p)
+        c2, g2 = rowscale.prepare_reference(e2, lc, sc, r, tl, gw, p)
+        assert g1.item() == g2.item() == (0 if case == "closed" else 1), case
+        torch.testing.assert_close(c1, c2, rtol=1e-6, atol=0)
+        torch.testing.assert_close(e1, e2, rtol=1e-6, atol=0, equal_nan=True)
+        if case == "closed":
+            assert not torch.equal(e1, e)  # the target entries were written
+
+
 def test_rowscale_bounds_each_open_the_gate(monkeypatch):
     """Each bound alone opens the gate (and the same case without it keeps it closed): the scale c
     of a row with a gradient (a shard ~75 nats below the global lse: c x would round to 0 in bf16),

@@ -152,6 +152,8 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
         assert len(scaled) == len(gated) and all(blk["block_n"] < shape[0] and blk["block_h"] < h
                                                  for shape, blk in scaled), scaled
         assert stores and all(m == launch.STORE_EXP for m in stores), stores  # exponentials, not logits
+        prepared = [(shape, blk) for name, shape, blk in launches if name == "row_prepare"]  # its per-row step
+        assert len(prepared) == len(gated) and all(blk["block_n"] < shape[0] // v for shape, blk in prepared), prepared
     elif strategy == "fused":
         assert stores and all(m == launch.STORE_LOGITS for m in stores), stores
     if not (grad_form == "rowscale" and strategy == "fused"):
@@ -159,6 +161,9 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
         assert len(grads) >= 2, f"expected several logits chunks, got launches {names}"
         assert all(blk["block_n"] < shape[0] for shape, blk in grads), grads
         assert any(blk["block_v"] < shape[1] for shape, blk in grads), grads
+    merged = [(shape, blk) for name, shape, blk in launches if name == "merge"]  # one per lse_forward launch
+    assert len(merged) == names.count("lse_forward"), names
+    assert all(blk["block_n"] < shape[1] and blk["block_t"] < shape[0] for shape, blk in merged), merged
     if strategy == "fused":
         # one lse_forward launch per token chunk (logits or exponentials stored + statistics)
         fwd = [(shape, blk) for name, shape, blk in launches if name == "lse_forward"]
@@ -778,6 +783,73 @@ def test_kernels_match_their_torch_references(bias, softcap, with_sum, with_ent)
     assert rel(dz, dz_ref) < 1e-5
     if with_ent:  # the entropy term really is in there
         assert rel(dz, chunk_grad_reference_(z_ref.clone(), tl, lse, gw, **kw)) > 1e-3
+
+
+@pytest.mark.parametrize("start, v_local", [(0, 50), (20, 17)])
+def test_target_and_token_kernels_match_torch(start, v_local):
+    """kernels/targets.py and kernels/token_loss.py (reference mode, several tiles, a partial last
+    one) against their torch forms: targets ignored, in this shard, on another rank's shard, and
+    outside [0, V) (negative and too large); the loss with and without label smoothing and z-loss,
+    bad rows NaN, ignored rows 0, ties counted as correct."""
+    from flce_dist.kernels import launch
+    from flce_dist.kernels.targets import target_rows_reference
+    from flce_dist.kernels.token_loss import token_rows_reference
+
+    g = torch.Generator().manual_seed(37)
+    n, vocab, ign = 37, 50, -100
+    t = torch.randint(-3, vocab + 3, (n,), generator=g)
+    t[::5] = ign
+    s = settings.Settings(blocks={"target_rows": {"block_n": 8}, "token_rows": {"block_n": 8}})
+    got = launch.target_rows(t, start, v_local, vocab, ign, s)
+    want = target_rows_reference(t, start, v_local, vocab, ign)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    tl, valid, bad = got
+    assert bad.any() and (~valid).any() and (tl >= 0).any()
+    assert ((tl < 0) & valid & ~bad).any() == (v_local < vocab)  # another rank's targets
+    stats = torch.randn(n, 4, generator=g) * 3
+    stats[:, 0] = stats[:, 1].abs() + 1.0
+    stats[3, 3] = stats[3, 1]  # a tie: correct
+    for ls, zl in ((0.0, 0.0), (0.1, 1e-3)):
+        a = launch.token_rows(stats, valid, bad, ls, vocab, zl, s)
+        b = token_rows_reference(stats, valid, bad, 1.0 - ls, ls / vocab, zl)
+        torch.testing.assert_close(a[0], b[0], rtol=1e-6, atol=1e-6, equal_nan=True)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+        assert a[0][bad].isnan().all() and (a[0][~valid] == 0).all() and a[1][3] == valid[3]
+
+
+@pytest.mark.parametrize("tgt_rows", ["tiles", "one"])
+def test_merge_kernel_matches_torch(tgt_rows):
+    """kernels/merge.py (reference mode, several token and tile blocks, a partial last block) against
+    lse_forward.merge_partials, with a tile of -inf logits in one row and a row of -inf tiles, every
+    with_sum / with_ent combination, and the target partial as per-tile rows (lse_forward) or one
+    row (chunk_stats)."""
+    from flce_dist.kernels import launch
+    from flce_dist.kernels.lse_forward import merge_partials
+
+    g = torch.Generator().manual_seed(31)
+    nt, n = 13, 37
+    pmax = torch.randn(nt, n, generator=g) * 3
+    psum = torch.rand(nt, n, generator=g) * 10 + 1
+    pent = torch.rand(nt, n, generator=g)
+    psumy = torch.randn(nt, n, generator=g)
+    for col, rows in ((3, [1]), (5, list(range(nt)))):  # -inf tiles: psum = pent = 0 there (lse_forward's rule)
+        pmax[rows, col] = float("-inf")
+        psum[rows, col] = pent[rows, col] = 0.0
+    ptgt = torch.randn(nt if tgt_rows == "tiles" else 1, n, generator=g)
+    s = settings.Settings(blocks={"merge": {"block_n": 8, "block_t": 4}})
+    for with_sum in (False, True):
+        for with_ent in (False, True):
+            args = (pmax, psum, ptgt, psumy if with_sum else psumy[:1], pent if with_ent else pent[:1], with_sum,
+                    with_ent)
+            got, want = launch.merge(*args, s), merge_partials(*args)
+            assert got.shape == want.shape == (n, 5 if with_ent else 4)
+            assert torch.equal(got.isfinite(), want.isfinite())  # the -inf row stays -inf (and its entropy NaN)
+            fin = want.isfinite()
+            assert (got[fin] - want[fin]).abs().max() < 1e-5
+            assert got[5, 0] == float("-inf") and got[5, 3] == float("-inf")
+            if with_sum:  # the column is really summed (not the zeros without with_sum)
+                assert (got[:, 2] - psumy.sum(0)).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["helion", "cublas"])

@@ -19,6 +19,10 @@ Entry points (each falls back to its kernel file's torch reference where the ker
     dz_gated(x, w, dz, tl, lse, ...) dz = the chunk's dlogits from x, W, only where a device-side
                                      gate is open (the row-scale form's fallback)
     row_scale(acc, x, c, dx, xw)     dx = acc * c, xw = x * c per row, one pass (the row-scale form)
+    merge(pmax, psum, ptgt, ...)     the logits passes' [T, N] partials -> [N, 4] (or [N, 5]) stats
+    row_prepare(e, local, st, ...)   the row-scale form's c, target entries and gate for a chunk
+    target_rows(target, ...)         shard-local target ids, valid and bad masks [N]
+    token_rows(stats, valid, bad...) per-token loss, accuracy and lse from the global stats
     scale_(t, g)                     t *= grad_output in place, skipped on the device when it is 1
 
 Helion is imported on the first launch, not with this module. On a CPU tensor the first launch
@@ -59,6 +63,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "scale": {"block": {"block": 16384}, "config": {"num_warps": 4, "num_stages": 1}},
     # the row-scale form's two row scalings: a streaming pass, 32 elements per thread
     "row_scale": {"block": {"block_n": 4, "block_h": 1024}, "config": {"num_warps": 4, "num_stages": 1}},
+    # the partial merge: 64 token columns per program (128 programs at N = 8192), 32 tiles per step
+    "merge": {"block": {"block_n": 64, "block_t": 32}, "config": {"num_warps": 4, "num_stages": 2}},
+    # the row-scale form's per-row step: 23 programs at 2816 rows (~20 float32 loads/stores per row)
+    "row_prepare": {"block": {"block_n": 128}, "config": {"num_warps": 4, "num_stages": 1}},
+    # per-token bookkeeping around the logits pass ([N] vectors: 8 programs at N = 8192)
+    "target_rows": {"block": {"block_n": 1024}, "config": {"num_warps": 4, "num_stages": 1}},
+    "token_rows": {"block": {"block_n": 1024}, "config": {"num_warps": 4, "num_stages": 1}},
     # the row-scale form's fallback, closed in the common case: persistent programs (a closed gate
     # costs a scalar read per tile step), the store pass's blocks when open
     "dz_gated": {"block": {"block_n": 128, "block_v": 256, "block_h": 64},
@@ -73,11 +84,17 @@ CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "scale": {"block": {"block": 1 << 20}, "config": {}},
     "dz_gated": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
     "row_scale": {"block": {"block_n": 512, "block_h": 4096}, "config": {}},
+    "merge": {"block": {"block_n": 4096, "block_t": 4096}, "config": {}},
+    "row_prepare": {"block": {"block_n": 4096}, "config": {}},
+    "target_rows": {"block": {"block_n": 1 << 16}, "config": {}},
+    "token_rows": {"block": {"block_n": 1 << 16}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
 BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_s", "block_v"),
                "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h"), "scale": ("block",),
-               "dz_gated": ("block_n", "block_v", "block_h"), "row_scale": ("block_n", "block_h")}
+               "dz_gated": ("block_n", "block_v", "block_h"), "row_scale": ("block_n", "block_h"),
+               "merge": ("block_n", "block_t"), "row_prepare": ("block_n",),
+               "target_rows": ("block_n",), "token_rows": ("block_n",)}
 
 
 def arch_of(device: torch.device) -> str:
@@ -126,11 +143,16 @@ def _kernels() -> dict[str, Any]:
     from .dz_gated import dz_gated
     from .lse_forward import lse_forward_partials
     from .masked_mm import masked_mm
+    from .merge import merge_stats
+    from .row_prepare import row_prepare
+    from .targets import target_rows
+    from .token_loss import token_rows
     from .row_scale import row_scale
     from .scale import scale_
 
     return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats_partials, "chunk_grad": chunk_grad_,
-            "masked_mm": masked_mm, "scale": scale_, "dz_gated": dz_gated, "row_scale": row_scale}
+            "masked_mm": masked_mm, "scale": scale_, "dz_gated": dz_gated, "row_scale": row_scale,
+            "merge": merge_stats, "row_prepare": row_prepare, "target_rows": target_rows, "token_rows": token_rows}
 
 
 _CONFIGURED: set[int] = set()
@@ -165,7 +187,7 @@ def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch
     return bound(*full)
 
 
-def _degenerate(*sizes: int) -> bool:
+def degenerate(*sizes: int) -> bool:
     """Helion 1.4 mis-compiles size-1 dims ("can only unsplat single-element tensors"): shapes with a
     dimension below 2 take the kernel file's torch reference (CPU reference mode included)."""
     return min(sizes) < 2
@@ -195,7 +217,7 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     ``exp_ref`` [N] (float32) ``z_out`` receives ``exp(y - exp_ref)`` instead of the logits (the
     row-scale gradient, ``rowscale.py``)."""
     store = STORE_EXP if exp_ref is not None else (STORE_LOGITS if z_out is not None else STORE_NONE)
-    if _degenerate(*x.shape, w.shape[0]) or cublas_logits(x) or settings.logits_backend == "cublas":
+    if degenerate(*x.shape, w.shape[0]) or cublas_logits(x) or settings.logits_backend == "cublas":
         # size-1 dims (Helion 1.4 bug), float64, CUDA float32 and Settings(logits_backend="cublas"):
         # cuBLAS logits + chunk_stats, token chunk by token chunk when nothing asks for the logits
         # (memory O(chunk))
@@ -212,15 +234,13 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
         if rows >= n:
             return stats(x, target_local, z_out)
         return torch.cat([stats(x[i:i + rows], target_local[i:i + rows], None) for i in range(0, n, rows)])
-    from .lse_forward import merge_partials
-
     b = bias if bias is not None else w.new_zeros(1)
     zo = z_out if z_out is not None else x.new_empty(1, 1)
     ref = exp_ref if exp_ref is not None else x.new_zeros(1, dtype=torch.float32)
     parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, float(scale), float(softcap),
                                     bool(bias is not None), store, bool(with_sum), bool(with_ent)),
                     x.device, x.dtype, settings, "store" if z_out is not None else "", x.shape[1])
-    return merge_partials(*parts, with_sum, with_ent)
+    return merge(*parts, with_sum, with_ent, settings)
 
 
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,
@@ -228,18 +248,32 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
     """Per-row ``[Nc, 4]`` stats (lse, target logit, sum, max) of a materialised logits chunk ``z``;
     ``[Nc, 5]`` with ``with_ent`` (plus the chunk's softmax entropy)."""
     k = 5 if with_ent else 4
-    if z.numel() == 0 or _degenerate(*z.shape):
+    if z.numel() == 0 or degenerate(*z.shape):
         from .chunk_stats import chunk_stats_reference
 
         return torch.stack(chunk_stats_reference(z, target_local, scale, softcap, with_sum, with_ent)[:k], dim=1)
     from .chunk_stats import target_logit
-    from .lse_forward import merge_partials
 
     blk = entry("chunk_stats", z.device, z.dtype, settings=settings)["block"]
     bs = max(blk["block_v"], blk["block_s"] // blk["block_v"] * blk["block_v"])
     pmax, psum, psumy, pent = _launch("chunk_stats", (z, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
                                       z.device, z.dtype, settings, blocks={"block_s": bs})  # split: a multiple of the tile
-    return merge_partials(pmax, psum, target_logit(z, target_local, scale, softcap)[None], psumy, pent, with_sum, with_ent)
+    return merge(pmax, psum, target_logit(z, target_local, scale, softcap)[None], psumy, pent, with_sum, with_ent,
+                 settings)
+
+
+def merge(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, psumy: torch.Tensor, pent: torch.Tensor,
+          with_sum: bool, with_ent: bool, settings: Settings) -> torch.Tensor:
+    """The ``[T, N]`` partials of ``lse_forward`` / ``chunk_stats`` merged into ``[N, 4]`` stats
+    (``[N, 5]`` with ``with_ent``) in one launch (kernels/merge.py); float64 and size-1 dims take
+    ``lse_forward.merge_partials`` (torch)."""
+    if pmax.dtype != torch.float32 or degenerate(*pmax.shape, ptgt.shape[0] + 1):
+        from .lse_forward import merge_partials
+
+        return merge_partials(pmax, psum, ptgt, psumy, pent, with_sum, with_ent)
+    out = torch.empty(pmax.shape[1], 5 if with_ent else 4, dtype=torch.float32, device=pmax.device)
+    return _launch("merge", (pmax, psum, ptgt, psumy, pent, out, bool(with_sum), bool(with_ent)), pmax.device,
+                   pmax.dtype, settings)
 
 
 def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
@@ -249,7 +283,7 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
     and ``gh`` [Nc] (the global ``sum_v p y`` and dL/dentropy per row) the entropy's gradient too."""
     if z.numel() == 0:
         return z
-    if _degenerate(*z.shape):
+    if degenerate(*z.shape):
         from .chunk_grad import chunk_grad_reference_
 
         return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap,
@@ -273,7 +307,7 @@ def dz_gated(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, target_local: t
     (a [1] int32 device tensor) is nonzero, left as it is where it is 0 (kernels/dz_gated.py)."""
     if dz.numel() == 0:
         return dz
-    if _degenerate(*x.shape, w.shape[0]):
+    if degenerate(*x.shape, w.shape[0]):
         from .dz_gated import dz_gated_reference
 
         return dz_gated_reference(x, w, dz, target_local, lse, g, gate, scale, two_zl)
@@ -285,11 +319,60 @@ def row_scale(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Ten
               settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx = round(acc * c[:, None])`` and ``xw = round(x * c[:, None])`` in one pass
     (kernels/row_scale.py: the row-scale form's dX and dW operand)."""
-    if x.numel() == 0 or _degenerate(*x.shape):
+    if x.numel() == 0 or degenerate(*x.shape):
         from .row_scale import row_scale_reference
 
         return row_scale_reference(acc, x, c, dx, xw)
     return _launch("row_scale", (acc, x, c, dx, xw), x.device, x.dtype, settings)
+
+
+def row_prepare(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Tensor, target_local: torch.Tensor,
+                g: torch.Tensor, scale: float, two_zl: float, max_spread: float, min_c: float, max_target: float,
+                settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-scale form's step for one chunk (kernels/row_prepare.py): the target entries of ``e``
+    [Nc, V] rewritten in place; returns the row scales ``c`` [Nc] float32 (as computed) and the gate
+    [1] int32 (1 where a row is outside the bounds)."""
+    c = torch.empty(r.shape[0], dtype=torch.float32, device=r.device)
+    gate = torch.zeros(1, dtype=torch.int32, device=r.device)
+    _launch("row_prepare", (e.view(-1), local, st, r, target_local, g, c, gate, e.shape[1], float(scale),
+                            float(two_zl), float(max_spread), float(min_c), float(max_target)), e.device, e.dtype,
+            settings)
+    return c, gate
+
+
+def target_rows(target: torch.Tensor, vocab_start: int, v_local: int, vocab_size: int, ignore_index: int,
+                settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tl, valid, bad)`` for int64 ``target`` [N] (kernels/targets.py): shard-local ids (int32,
+    -1 where ignored or on another rank), ``target != ignore_index``, and the valid targets outside
+    ``[0, vocab_size)``."""
+    if degenerate(target.shape[0]):
+        from .targets import target_rows_reference
+
+        return target_rows_reference(target, vocab_start, v_local, vocab_size, ignore_index)
+    n = target.shape[0]
+    tl = torch.empty(n, dtype=torch.int32, device=target.device)
+    valid = torch.empty(n, dtype=torch.bool, device=target.device)
+    bad = torch.empty(n, dtype=torch.bool, device=target.device)
+    _launch("target_rows", (target, tl, valid, bad, int(vocab_start), int(v_local), int(vocab_size), int(ignore_index)),
+            target.device, torch.float32, settings)
+    return tl, valid, bad
+
+
+def token_rows(stats: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor, label_smoothing: float,
+               vocab_size: int, z_loss: float, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, correct, lse)`` per token from the global stats [N, >=4] (kernels/token_loss.py)."""
+    one_minus_eps, eps_over_v = 1.0 - label_smoothing, label_smoothing / vocab_size
+    if stats.dtype != torch.float32 or degenerate(stats.shape[0]):
+        from .token_loss import token_rows_reference
+
+        return token_rows_reference(stats, valid, bad, one_minus_eps, eps_over_v, z_loss)
+    n = stats.shape[0]
+    loss, lse = (torch.empty(n, dtype=torch.float32, device=stats.device) for _ in range(2))
+    correct = torch.empty(n, dtype=torch.bool, device=stats.device)
+    _launch("token_rows", (stats, valid, bad, loss, correct, lse, float(one_minus_eps), float(eps_over_v),
+                           float(z_loss), bool(label_smoothing > 0), bool(z_loss > 0)), stats.device, stats.dtype,
+            settings)
+    return loss, correct, lse
 
 
 def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor:
@@ -297,7 +380,7 @@ def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor
     when ``g == 1`` (kernels/scale.py). 16-bit and float32 contiguous tensors of under 2**31 elements
     (the kernel's int32 offsets) take the kernel; others, and size-0/1 shapes, torch's ``mul_``."""
     n = t.numel()
-    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not t.is_contiguous() or n >= 2**31 or _degenerate(n):
+    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not t.is_contiguous() or n >= 2**31 or degenerate(n):
         from .scale import scale_reference_
 
         return scale_reference_(t, g)
@@ -315,7 +398,7 @@ def masked_blocks(device: torch.device, dtype: torch.dtype, settings: Settings) 
 
 def _torch_masked(dtype: torch.dtype, *sizes: int) -> bool:
     """float64 (``hl.dot`` has none) and size-1 dims (Helion 1.4) take the torch references."""
-    return dtype == torch.float64 or _degenerate(*sizes)
+    return dtype == torch.float64 or degenerate(*sizes)
 
 
 def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
@@ -327,7 +410,7 @@ def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch
     with ``row_scale`` 0, e.g. ignored tokens, keep nothing)."""
     bn, bv = masked_blocks(z.device, z.dtype, settings)
     n, v = z.shape
-    if z.numel() == 0 or _degenerate(*z.shape):
+    if z.numel() == 0 or degenerate(*z.shape):
         from .chunk_grad import chunk_grad_reference_
 
         chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, mu, gh)

@@ -83,6 +83,7 @@ def attribute(fn, br: Bracket, calls: int, samples: int) -> tuple[dict[str, floa
     for _ in range(samples):
         br.marks.clear()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()  # untimed: the sample starts on a busy GPU (as _timing.cuda_steady_ms)
         br.on = True
         a.record()
         for _ in range(calls):

@@ -59,16 +59,16 @@ def main() -> None:
         psum = torch.rand(nt, n, device="cuda", generator=g) * 100 + 1
         ptgt = torch.zeros(nt, n, device="cuda")
         ptgt[torch.randint(0, nt, (n,), device="cuda", generator=g), torch.arange(n, device="cuda")] = 1.5
-        dummy = pmax.new_zeros(1, n)
-        want = merge_partials(pmax, psum, ptgt, dummy, dummy, False, False)
-        t_torch = cuda_steady_ms(lambda: merge_partials(pmax, psum, ptgt, dummy, dummy, False, False), 10, 20)
+        dummy, dummy2 = pmax.new_zeros(1, n), pmax.new_zeros(1, n)  # distinct objects (kernels/row_prepare.py)
+        want = merge_partials(pmax, psum, ptgt, dummy, dummy2, False, False)
+        t_torch = cuda_steady_ms(lambda: merge_partials(pmax, psum, ptgt, dummy, dummy2, False, False), 10, 20)
         torch_total += t_torch
         row = [f"{label:13} T={nt:5} rows={n:5}  torch {t_torch * 1e3:7.1f} us"]
         for i, (bn, bt, nw, ns) in enumerate(CANDIDATES):
             out = torch.empty(n, 4, device="cuda")
             cand = {"block": {"block_n": bn, "block_t": bt}, "config": {"num_warps": nw, "num_stages": ns}}
             try:
-                run = tune._run(launch._kernels()["merge"], (pmax, psum, ptgt, dummy, dummy, out, False, False), cand,
+                run = tune._run(launch._kernels()["merge"], (pmax, psum, ptgt, dummy, dummy2, out, False, False), cand,
                                 launch.BLOCK_ORDER["merge"])
                 run()
                 err = (out - want).abs().max().item()

@@ -384,6 +384,7 @@ def test_row_kernels_on_cuda(nt, n):
         tl = torch.randint(-1, v, (n,), device=dev, generator=g).to(torch.int32)
         gw = torch.rand(n, device=dev, generator=g)
         p = FLCEParams(0, v, LossOptions(z_loss=zl), s)
+        rowscale.prepare_(e.clone(), local, local, r, tl, gw, p)  # local is st (TP = 1) first: see row_prepare.py
         for wide in (False, True):
             lc = local.clone()
             if wide:

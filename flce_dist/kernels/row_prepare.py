@@ -13,9 +13,13 @@ and rewrites the target entry from the float32 statistics (``a = 2 zl lse``, ``d
 ``dz_gated``, read the gate: c counts as 1 where it is open). ``rowscale.prepare_reference`` is
 the same in torch (~40 small kernels per chunk: the reason for this one). Grid: row tiles.
 
-Shapes: e_flat [Nc * V] (the chunk's exponentials, in x's dtype), local, st [Nc, >=4] float32 (this
-rank's and the global stats: columns 0 lse, 1 target logit, 3 max), r, g, c [Nc] float32,
-target_local [Nc] int32 (-1: the target is not in this shard), gate [1] int32.
+Shapes: e_flat [Nc * V] (the chunk's exponentials, in x's dtype), m_local [Nc] float32 (this rank's
+max logit: a column view of its stats), st [Nc, >=4] float32 (the global stats: columns 0 lse, 1
+target logit), r, g, c [Nc] float32, target_local [Nc] int32 (-1: the target is not in this
+shard), gate [1] int32. No two arguments may be the same tensor object: Helion 1.4 compiles
+aliased arguments into one and its bind cache does not tell aliased calls from others (run 19: a
+kernel first compiled with ``local is st``, as at TP = 1, read ``st`` from ``local`` in a later
+call with distinct tensors); a column view is a distinct object.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from .common import SETTINGS
 @helion.kernel(static_shapes=False, **SETTINGS)  # one compile for every chunk size
 def row_prepare(
     e_flat: torch.Tensor,
-    local: torch.Tensor,
+    m_local: torch.Tensor,
     st: torch.Tensor,
     r: torch.Tensor,
     target_local: torch.Tensor,
@@ -56,7 +60,7 @@ def row_prepare(
         cn = gg * (scale * (1.0 + a)) * torch.exp(rr - lse)
         et = torch.exp(lse - rr) * (torch.expm1(d) + a * torch.exp(d)) / (1.0 + a)
         has_t = tgt >= 0
-        ok_spread = local[tile_n, 3] - rr <= max_spread
+        ok_spread = m_local[tile_n] - rr <= max_spread
         ok_c = (gg == 0.0) | (torch.abs(cn) >= min_c)
         ok_t = (tgt < 0) | (torch.abs(et) <= max_target)
         bad = torch.where(ok_spread & ok_c & ok_t, 0, 1).to(torch.int32)

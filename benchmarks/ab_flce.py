@@ -23,6 +23,14 @@ import flce_dist  # noqa: E402  (the first on PYTHONPATH: the tree under test)
 from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms  # noqa: E402
 
 
+def inputs(n: int, h: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [n, h] and w [v, h] (0.02-scaled) bf16 CUDA leaves that require grad, targets [n] int64."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
+    return x, w, torch.randint(0, v, (n,), device="cuda", generator=g)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tag", required=True)
@@ -35,11 +43,7 @@ def main() -> None:
     forms = [f for f in args.grad_forms.split(",") if f]
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
     for name in args.shapes.split(","):
-        h, v = SHAPES[name]
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
-        t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
+        x, w, t = inputs(args.n, *SHAPES[name])
 
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         for form in forms * 2 or [None]:

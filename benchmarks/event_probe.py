@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 
 import torch
+from ab_flce import inputs as ab_inputs  # benchmarks/ (the script's own directory)
 
 import flce_dist
 from flce_dist import rowscale
@@ -159,10 +160,7 @@ def main() -> None:
     try:
         for name in args.shapes.split(","):
             h, v = SHAPES[name]
-            g = torch.Generator(device="cuda").manual_seed(0)
-            x = torch.randn(args.n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-            w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
-            t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
+            x, w, t = ab_inputs(args.n, h, v)  # ab_flce.py's inputs
             xd, wd = x.detach(), w.detach()
 
             def loss():

@@ -152,7 +152,7 @@ def fused_linear_cross_entropy(
     the ``recompute`` strategy's backward (4 matmuls instead of 3; ``strategy`` is then ignored).
 
     ``deterministic=True``: bitwise identical loss and gradients from run to run on every rank. One
-    GPU is already reproducible (no atomics; fixed chunk plan); under TP this replaces NCCL's dX
+    GPU is already reproducible (no floating-point atomics; fixed chunk plan); under TP this replaces NCCL's dX
     all-reduce (whose summation order NCCL does not fix) by an all-to-all + float32 sum in rank
     order + all-gather: same bytes, but blocking (no overlap with the last dW matmul).
 

@@ -818,6 +818,19 @@ def test_target_and_token_kernels_match_torch(start, v_local):
         assert a[0][bad].isnan().all() and (a[0][~valid] == 0).all() and a[1][3] == valid[3]
 
 
+def test_launch_refuses_one_tensor_in_two_arguments():
+    """Helion 1.4 compiles a call with one tensor object in two arguments into one parameter and
+    caches it for later calls with distinct tensors (benchmarks/NOTES.md, run 19): every launch
+    refuses aliased arguments; two views of one tensor are distinct objects and pass."""
+    from flce_dist.kernels import launch
+
+    t = torch.ones(64)
+    with pytest.raises(AssertionError, match="scale was passed the same tensor object twice"):
+        launch._launch("scale", (t, t), t.device, t.dtype, settings.Settings())
+    launch._launch("scale", (t[:], torch.full((1,), 2.0)), t.device, t.dtype, settings.Settings())
+    assert (t == 2.0).all()
+
+
 @pytest.mark.parametrize("tgt_rows", ["tiles", "one"])
 def test_merge_kernel_matches_torch(tgt_rows):
     """kernels/merge.py (reference mode, several token and tile blocks, a partial last block) against

@@ -171,6 +171,13 @@ def _ensure_mode(device: torch.device) -> None:
 
 def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
             variant: str = "", h: int | None = None, blocks: dict[str, int] | None = None) -> Any:
+    """Bind and run kernel ``name`` with its shipped entry. No tensor object may appear twice in
+    ``args``: Helion 1.4 compiles aliased arguments into one parameter and its bind cache does not
+    tell such a call from one with distinct tensors (a later call would read one argument through
+    the other's pointer; benchmarks/NOTES.md, run 19). Views are distinct objects."""
+    tensors = [id(a) for a in args if isinstance(a, torch.Tensor)]
+    if len(set(tensors)) != len(tensors):
+        raise AssertionError(f"kernels/launch.py: {name} was passed the same tensor object twice")
     _ensure_mode(device)
     e = entry(name, device, dtype, variant, h, settings)
     block = {**e["block"], **(blocks or {})}
@@ -295,8 +302,7 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
 def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh,
                 block_v: int | None = None):
     with_ent = gh is not None
-    dummy = g[:1]
-    return _launch("chunk_grad", (z, target_local, lse, g, mu if with_ent else dummy, gh if with_ent else dummy,
+    return _launch("chunk_grad", (z, target_local, lse, g, mu if with_ent else g[:1], gh if with_ent else g[:1],
                                   float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap),
                                   with_ent, block_v is not None), z.device, z.dtype, settings,
                    blocks=None if block_v is None else {"block_v": block_v})

@@ -211,3 +211,22 @@ def test_capture_from_dcp_checkpoint(tmp_path):
     assert x.shape == (150, 16) and w.shape == (50, 16) and x.dtype == torch.bfloat16
     assert torch.equal(w, model.lm_head.weight.detach().bfloat16())
     assert 0 <= int(t.min()) and int(t.max()) < 50
+
+
+def test_probe_scripts_import_and_wrap():
+    """benchmarks/event_probe.py and merge_probe.py import without a GPU (their CUDA work is in
+    main); the event probe's bracket passes calls through while off and restores what it wrapped."""
+    event_probe = pytest.importorskip("event_probe")
+    merge_probe = pytest.importorskip("merge_probe")
+    assert all(bn & (bn - 1) == 0 and bt & (bt - 1) == 0 for bn, bt, _, _ in merge_probe.CANDIDATES)
+
+    class Owner:
+        @staticmethod
+        def f(a, b=1):
+            return a + b
+
+    br = event_probe.Bracket()
+    br.wrap(Owner, "f", "label")
+    assert Owner.f(2, b=3) == 5 and not br.marks  # off: no events recorded
+    br.restore()
+    assert Owner.f.__name__ == "f"

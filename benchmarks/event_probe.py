@@ -31,7 +31,6 @@ import flce_dist
 from flce_dist import rowscale
 from flce_dist._timing import SHAPES, cuda_steady_ms
 from flce_dist.kernels import launch
-from flce_dist.kernels import lse_forward as lse_mod
 
 
 class Bracket:
@@ -155,7 +154,6 @@ def main() -> None:
     br.wrap(torch.Tensor, "addmm_", "cuBLAS addmm_")
     br.wrap(rowscale, "reference", "rowscale.reference (sample matmul)")
     br.wrap(rowscale, "prepare_", "rowscale.prepare_")
-    br.wrap(lse_mod, "merge_partials", "merge_partials")
     report = []
     try:
         for name in args.shapes.split(","):

@@ -274,8 +274,9 @@ def merge(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, psumy: tor
           with_sum: bool, with_ent: bool, settings: Settings) -> torch.Tensor:
     """The ``[T, N]`` partials of ``lse_forward`` / ``chunk_stats`` merged into ``[N, 4]`` stats
     (``[N, 5]`` with ``with_ent``) in one launch (kernels/merge.py); float64 and size-1 dims take
-    ``lse_forward.merge_partials`` (torch)."""
-    if pmax.dtype != torch.float32 or degenerate(*pmax.shape, ptgt.shape[0] + 1):
+    ``lse_forward.merge_partials`` (torch). ``ptgt`` may be one row (``chunk_stats``' target logit):
+    the kernel sums its rows on their own."""
+    if pmax.dtype != torch.float32 or degenerate(*pmax.shape):
         from .lse_forward import merge_partials
 
         return merge_partials(pmax, psum, ptgt, psumy, pent, with_sum, with_ent)

@@ -7,7 +7,8 @@ Imports whichever ``flce_dist`` is first on ``PYTHONPATH`` (e.g. an exported old
 at N=8192 bf16 on random inputs (0.02-scaled weights, as bench.py), fwd+bwd of
 ``fused_linear_cross_entropy`` (steady state: back-to-back calls), its forward alone under
 ``torch.no_grad()`` and the bare cuBLAS matmul ``x @ W.T`` in the same process, then prints one line
-per shape: ms, ratio to three matmuls (fwd+bwd) and to one (forward). Run it
+per shape: ms, ratio to three matmuls (fwd+bwd) and to one (forward), and the ratio to the layer's three
+distinct matmuls run back to back (``_timing.three_matmuls``: x @ W.T, dy @ W, dy.T @ x). Run it
 for both trees in one device call and compare the ratios (the matmul normalises machine drift).
 """
 
@@ -21,6 +22,11 @@ import torch
 
 import flce_dist  # noqa: E402  (the first on PYTHONPATH: the tree under test)
 from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms  # noqa: E402
+
+try:  # the three distinct matmuls (not in the _timing.py of trees before run 20)
+    from flce_dist._timing import three_matmuls  # noqa: E402
+except ImportError:
+    three_matmuls = None
 
 
 def inputs(n: int, h: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -46,6 +52,8 @@ def main() -> None:
         x, w, t = inputs(args.n, *SHAPES[name])
 
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, args.reps)
+        mm3 = cuda_steady_ms(three_matmuls(x.detach(), w.detach()), args.reps) if three_matmuls else float("nan")
+        torch.cuda.empty_cache()
         for form in forms * 2 or [None]:
             ctx = flce_dist.settings.override(grad_form=form) if form else contextlib.nullcontext()
             tag = f"{args.tag}:{form}" if form else args.tag
@@ -58,7 +66,7 @@ def main() -> None:
                 with torch.no_grad():
                     fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
             print(f"[{tag}] {name:7} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
-                  f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm", flush=True)
+                  f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm  3 distinct {mm3:6.2f} ms {ms / mm3:.3f}x", flush=True)
         if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)
             from flce_dist import rowscale
 

@@ -48,6 +48,27 @@ def cuda_steady_ms(fn: Callable[[], object], reps: int, calls: int = 5) -> float
     return cuda_time_ms(fn, reps, calls=calls, lead=1)
 
 
+def three_matmuls(x: torch.Tensor, w: torch.Tensor, seed: int = 1) -> Callable[[], object]:
+    """The fwd+bwd floor as issue 15 defines it: a closure running the layer's three distinct
+    matmuls back to back, ``y = x @ W.T`` [N, V], ``dX = dy @ W`` [N, H] (K = V) and
+    ``dW = dy.T @ x`` [V, H] (K = N), into preallocated outputs. ``dy`` is a fixed random [N, V]
+    tensor (N(0, 1) in x's dtype: not zeros, whose products draw less power; the loss's dz differs
+    in value, not in shape). Memory: three [N, V]-sized buffers' worth (y, dy) plus dX and dW."""
+    g = torch.Generator(device=x.device).manual_seed(seed)
+    dy = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype, generator=g)
+    y = torch.empty_like(dy)
+    dx = torch.empty_like(x)
+    dw = torch.empty_like(w)
+
+    def run() -> None:
+        torch.mm(x, w.T, out=y)
+        torch.mm(dy, w, out=dx)
+        torch.mm(dy.T, x, out=dw)
+
+    run.buffers = (y, dy, dx, dw)  # type: ignore[attr-defined]  (for tests)
+    return run
+
+
 def peak_gib(fn: Callable[[], object], *params: torch.Tensor) -> float:
     """Peak memory above the inputs during one call of ``fn``, INCLUDING the gradients it returns
     (the grads of ``params`` are cleared first, so they are not counted in the baseline)."""

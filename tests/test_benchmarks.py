@@ -230,3 +230,46 @@ def test_probe_scripts_import_and_wrap():
     assert Owner.f(2, b=3) == 5 and not br.marks  # off: no events recorded
     br.restore()
     assert Owner.f.__name__ == "f"
+
+
+def test_epilogue_probe_parts_and_three_matmuls():
+    """benchmarks/epilogue_probe.py's part 5 is the shipped store pass (same partials and stored
+    exponentials), part 4 merges to the same lse and target logit against the reference; and
+    ``_timing.three_matmuls`` runs the layer's three distinct matmuls."""
+    from flce_dist import rowscale
+    from flce_dist._timing import three_matmuls
+    from flce_dist.kernels import launch
+    from flce_dist.kernels.lse_forward import lse_forward_partials, merge_partials
+
+    from flce_dist import setup_reference_mode
+
+    ep = pytest.importorskip("epilogue_probe")
+    setup_reference_mode()
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 37, 24, 300  # ragged vocab tiles at block_v = 128
+    x = torch.randn(n, h, generator=g, dtype=torch.float64).float()
+    w = torch.randn(v, h, generator=g, dtype=torch.float64).float() * 0.7
+    t = torch.randint(0, v, (n,), generator=g).to(torch.int32)
+    r = rowscale.reference(x, w, 1.0)
+    common = (x, w, w.new_zeros(1), t)
+    tail = (r, 1.0, 0.0, False, launch.STORE_EXP, False, False, 16, 128, 8)
+    z_ship, z5, z4 = (torch.full((n, v), float("nan")) for _ in range(3))
+    ship = lse_forward_partials(*common, z_ship, *tail)
+    p5 = ep.probe_partials(*common, z5, *tail, 5)
+    for a, b in zip(ship[:3], p5[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(z_ship, z5, rtol=0, atol=0)
+    p4 = ep.probe_partials(*common, z4, *tail, 4)
+    want = merge_partials(*ship, False)
+    got = merge_partials(p4[0], p4[1], p4[2], p4[3][:1], p4[4], False)
+    torch.testing.assert_close(got[:, :2], want[:, :2], rtol=1e-5, atol=1e-5)  # lse, target logit
+    torch.testing.assert_close(p4[3].amax(0), want[:, 3], rtol=0, atol=0)  # the row max, kept in psumy
+    torch.testing.assert_close(z4, z_ship, rtol=1e-5, atol=1e-6)  # exp(y - r) either way
+    xb, wb = x.double(), w.double()
+    run = three_matmuls(xb, wb)
+    run()
+    y, dy, dx, dw = run.buffers
+    torch.testing.assert_close(y, xb @ wb.T)
+    assert torch.isfinite(dy).all() and dy.std() > 0.5  # random, not zeros
+    torch.testing.assert_close(dx, dy @ wb)
+    torch.testing.assert_close(dw, dy.T @ xb)

@@ -1,0 +1,229 @@
+"""What each part of the store pass's epilogue costs, alone and inside the loss.
+
+    python3 benchmarks/epilogue_probe.py [--shapes llama3,gemma] [--parts 0,1,2,3,4,5] [--reps 10]
+
+The fused row-scale loss's store pass (``kernels/lse_forward.py`` with store == 2) ran 1.09-1.12x
+its bare cuBLAS matmul in runs 18-19, the forward-only pass (no store) 1.04x. This probe replaces
+that one kernel (``launch._kernels()["lse_forward"]``, same arguments, same shipped config) by a
+probe kernel whose epilogue keeps only some of the work, and times it (a) alone on one fused chunk
+(``launch.lse_forward`` as the loss calls it: kernel + merge), (b) inside the whole fused fwd+bwd
+at N = 8192, steady back to back, against the bare cuBLAS matmul of the same run:
+
+    part 0  the chunk's bf16 logits stored, nothing else (a Helion matmul + store)
+    part 1  + exp(y - r) stored instead (r: the row-scale reference), no reduction
+    part 2  + the row sum of exp(y - r) (the statistics against r instead of the tile max)
+    part 3  + the row max (kept: the accuracy and the form's gate need it), no target
+    part 4  + the target logit (the per-element index compare): everything the loss needs,
+            with exp taken against r (one fewer multiply per element than part 5)
+    part 5  the shipped epilogue: exp against the tile max, times exp(m - r) per row
+    part 6  part 5's statistics without the store (the loss then reads the buffer's stale E)
+
+Parts 0-3 write partials that keep the loss finite and the row-scale gate closed (pmax = r), so the
+loss's other kernels do the same work as with the shipped one; their loss values are wrong, only
+their times are read. Parts 4 and 5 give the loss's own statistics (4: unless exp(y - r) overflows,
+which a real change would have to catch). The floor is printed two ways: 3 x the bare ``x @ W.T``
+(what the README's ratios use) and the layer's three distinct matmuls run back to back
+(``x @ W.T``, ``dy @ W``, ``dy.T @ x``: ``_timing.three_matmuls``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import helion
+import helion.language as hl
+import torch
+
+import flce_dist
+from flce_dist import core, rowscale
+from flce_dist._timing import SHAPES, cuda_steady_ms, three_matmuls
+from flce_dist.kernels import launch
+from flce_dist.kernels.common import LOG2E, SETTINGS
+from flce_dist.options import FLCEParams, LossOptions
+from flce_dist.settings import current
+
+NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store"}
+
+
+@helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
+def probe_partials(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor,
+    target_local: torch.Tensor,
+    z_out: torch.Tensor,
+    ref: torch.Tensor,
+    scale: float,
+    softcap: hl.constexpr,
+    has_bias: hl.constexpr,
+    store: hl.constexpr,
+    with_sum: hl.constexpr,
+    with_ent: hl.constexpr,
+    block_n: hl.constexpr,
+    block_v: hl.constexpr,
+    block_h: hl.constexpr,
+    part: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, h = x.size()
+    v = w.size(0)
+    n_vt = (v + block_v - 1) // block_v
+    pmax = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
+    psum = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
+    ptgt = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
+    psumy = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)  # part 3/4: the max goes here
+    pent = torch.empty([1, n], dtype=torch.float32, device=x.device)
+    for tile_v, tile_n in hl.tile([v, n], block_size=[block_v, block_n]):
+        acc = hl.zeros([tile_n, tile_v], dtype=torch.float32)
+        for tile_h in hl.tile(h, block_size=block_h):
+            acc = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=acc)
+        zq = acc.to(x.dtype)
+        r = ref[tile_n]
+        if part == 0:
+            z_out[tile_n, tile_v] = zq
+            pmax[tile_v.id, tile_n] = r
+            psum[tile_v.id, tile_n] = r * 0.0 + 1.0
+            ptgt[tile_v.id, tile_n] = r * 0.0
+        if part == 1:
+            y1 = zq.to(torch.float32) * scale
+            e1 = torch.exp2(y1 * LOG2E - (r * LOG2E)[:, None])
+            z_out[tile_n, tile_v] = e1.to(z_out.dtype)
+            pmax[tile_v.id, tile_n] = r
+            psum[tile_v.id, tile_n] = r * 0.0 + 1.0
+            ptgt[tile_v.id, tile_n] = r * 0.0
+        if part == 2:
+            y2 = zq.to(torch.float32) * scale
+            valid2 = (tile_v.index < v)[None, :]
+            e2 = torch.where(valid2, torch.exp2(y2 * LOG2E - (r * LOG2E)[:, None]), 0.0)
+            z_out[tile_n, tile_v] = e2.to(z_out.dtype)
+            pmax[tile_v.id, tile_n] = r
+            psum[tile_v.id, tile_n] = torch.sum(e2, dim=1)
+            ptgt[tile_v.id, tile_n] = r * 0.0
+        if part == 3:
+            y3 = zq.to(torch.float32) * scale
+            valid3 = (tile_v.index < v)[None, :]
+            ym3 = torch.where(valid3, y3, float("-inf"))
+            e3 = torch.exp2(ym3 * LOG2E - (r * LOG2E)[:, None])
+            z_out[tile_n, tile_v] = e3.to(z_out.dtype)
+            pmax[tile_v.id, tile_n] = r
+            psum[tile_v.id, tile_n] = torch.sum(e3, dim=1)
+            ptgt[tile_v.id, tile_n] = r * 0.0
+            psumy[tile_v.id, tile_n] = torch.amax(ym3, dim=1)
+        if part == 4:
+            y4 = zq.to(torch.float32) * scale
+            valid4 = (tile_v.index < v)[None, :]
+            ym4 = torch.where(valid4, y4, float("-inf"))
+            e4 = torch.exp2(ym4 * LOG2E - (r * LOG2E)[:, None])
+            z_out[tile_n, tile_v] = e4.to(z_out.dtype)
+            hit4 = tile_v.index[None, :] == target_local[tile_n][:, None]
+            pmax[tile_v.id, tile_n] = r
+            psum[tile_v.id, tile_n] = torch.sum(e4, dim=1)
+            ptgt[tile_v.id, tile_n] = torch.sum(torch.where(hit4, y4, 0.0), dim=1)
+            psumy[tile_v.id, tile_n] = torch.amax(ym4, dim=1)
+        if part == 5:
+            y5 = zq.to(torch.float32) * scale
+            valid5 = (tile_v.index < v)[None, :]
+            ym5 = torch.where(valid5, y5, float("-inf"))
+            m5 = torch.amax(ym5, dim=1)
+            m_ref = torch.where(m5 > float("-inf"), m5, 0.0)
+            e5 = torch.exp2(ym5 * LOG2E - (m_ref * LOG2E)[:, None])
+            hit5 = tile_v.index[None, :] == target_local[tile_n][:, None]
+            pmax[tile_v.id, tile_n] = m5
+            psum[tile_v.id, tile_n] = torch.sum(e5, dim=1)
+            ptgt[tile_v.id, tile_n] = torch.sum(torch.where(hit5, y5, 0.0), dim=1)
+            f5 = torch.exp2((m_ref - r) * LOG2E)
+            z_out[tile_n, tile_v] = (e5 * f5[:, None]).to(z_out.dtype)
+        if part == 6:
+            y6 = zq.to(torch.float32) * scale
+            valid6 = (tile_v.index < v)[None, :]
+            ym6 = torch.where(valid6, y6, float("-inf"))
+            m6 = torch.amax(ym6, dim=1)
+            m6_ref = torch.where(m6 > float("-inf"), m6, 0.0)
+            e6 = torch.exp2(ym6 * LOG2E - (m6_ref * LOG2E)[:, None])
+            hit6 = tile_v.index[None, :] == target_local[tile_n][:, None]
+            pmax[tile_v.id, tile_n] = m6
+            psum[tile_v.id, tile_n] = torch.sum(e6, dim=1)
+            ptgt[tile_v.id, tile_n] = torch.sum(torch.where(hit6, y6, 0.0), dim=1)
+    return pmax, psum, ptgt, psumy, pent
+
+
+class _Variant:
+    """Stands in for the shipped kernel in ``launch._kernels()``: binds ``probe_partials`` with one
+    more constexpr (``part``) after the shipped arguments."""
+
+    def __init__(self, part: int) -> None:
+        self.part = part
+        self._bound: dict[int, _Bound] = {}
+
+    def bind(self, full: tuple) -> "_Bound":
+        b = probe_partials.bind((*full, self.part))
+        return self._bound.setdefault(id(b), _Bound(b, self.part))
+
+
+class _Bound:
+    def __init__(self, b, part: int) -> None:
+        self.b, self.part = b, part
+
+    def set_config(self, cfg) -> None:
+        self.b.set_config(cfg)
+
+    def __call__(self, *full):
+        return self.b(*full, self.part)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="llama3,gemma")
+    ap.add_argument("--parts", default="0,1,2,3,4,5,6")
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    kernels = launch._kernels()
+    shipped = kernels["lse_forward"]
+    s = current()
+    rows = []
+    for name in a.shapes.split(","):
+        h, v = SHAPES[name]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(a.n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+        w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
+        t = torch.randint(0, v, (a.n,), device="cuda", generator=g)
+        p = FLCEParams(0, v, LossOptions(), s)
+        rows_c = core.fused_plan(a.n, x, p, None, False)  # the loss's own chunk
+        xc, tc = x.detach()[:rows_c], t[:rows_c].to(torch.int32)
+        zc = torch.empty(rows_c, v, device="cuda", dtype=torch.bfloat16)
+        rc = rowscale.reference(xc, w.detach(), 1.0)
+        mm = cuda_steady_ms(lambda: x.detach() @ w.detach().T, a.reps)
+        mm3 = cuda_steady_ms(three_matmuls(x.detach(), w.detach()), a.reps)
+        mmc = cuda_steady_ms(lambda: torch.mm(xc, w.detach().T, out=zc), a.reps)
+        print(f"{name}: bare matmul {mm:.2f} ms (x3 {3 * mm:.2f}), three distinct matmuls {mm3:.2f} ms; "
+              f"chunk [{rows_c}, {v}] matmul {mmc:.3f} ms", flush=True)
+        for part in [-1, *map(int, a.parts.split(","))]:
+            kernels["lse_forward"] = shipped if part < 0 else _Variant(part)
+            label = "shipped kernel" if part < 0 else f"part {part}: {NAMES[part]}"
+            try:
+                one = cuda_steady_ms(lambda: launch.lse_forward(xc, w.detach(), None, tc, 1.0, 0.0, False, s,
+                                                                z_out=zc, exp_ref=rc), a.reps)
+
+                def step():
+                    x.grad = w.grad = None
+                    flce_dist.fused_linear_cross_entropy(x, w, t).backward()
+
+                fb = cuda_steady_ms(step, a.reps)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            finally:
+                kernels["lse_forward"] = shipped
+            rows.append((name, label, one, one / mmc, fb, fb / (3 * mm), fb / mm3))
+            print(f"  {label:28} chunk {one:7.3f} ms ({one / mmc:.3f}x)  loss {fb:7.2f} ms "
+                  f"({fb / (3 * mm):.3f}x 3mm, {fb / mm3:.3f}x 3 distinct)", flush=True)
+        del x, w, t, zc
+        torch.cuda.empty_cache()
+    print("\n=== epilogue_probe summary (chunk: kernel + merge vs the chunk's cuBLAS matmul; loss: fwd+bwd)")
+    print(f"{'shape':7} {'variant':28} {'chunk ms':>9} {'x mm':>6} {'loss ms':>8} {'x3mm':>6} {'x3dist':>7}")
+    for r in rows:
+        print(f"{r[0]:7} {r[1]:28} {r[2]:9.3f} {r[3]:6.3f} {r[4]:8.2f} {r[5]:6.3f} {r[6]:7.3f}")
+
+
+if __name__ == "__main__":
+    main()

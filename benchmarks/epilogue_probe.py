@@ -17,6 +17,10 @@ at N = 8192, steady back to back, against the bare cuBLAS matmul of the same run
             with exp taken against r (one fewer multiply per element than part 5)
     part 5  the shipped epilogue: exp against the tile max, times exp(m - r) per row
     part 6  part 5's statistics without the store (the loss then reads the buffer's stale E)
+    part 7  part 5 with the target compare only in tiles that hold some row's target (a branch
+            per tile on the row tile's targets: ~1/4 of the tiles at random targets, fewer at gemma)
+    part 8  part 7 without the kernel's own ``where(valid, y, -inf)`` (Helion masks the reductions
+            over a ragged last tile itself, and drops the masks where the tile divides V)
 
 Parts 0-3 write partials that keep the loss finite and the row-scale gate closed (pmax = r), so the
 loss's other kernels do the same work as with the shipped one; their loss values are wrong, only
@@ -42,7 +46,7 @@ from flce_dist.kernels.common import LOG2E, SETTINGS
 from flce_dist.options import FLCEParams, LossOptions
 from flce_dist.settings import current
 
-NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store"}
+NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store", 7: "shipped, target per tile", 8: "7 without the valid mask"}
 
 
 @helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
@@ -143,6 +147,40 @@ def probe_partials(
             pmax[tile_v.id, tile_n] = m6
             psum[tile_v.id, tile_n] = torch.sum(e6, dim=1)
             ptgt[tile_v.id, tile_n] = torch.sum(torch.where(hit6, y6, 0.0), dim=1)
+        if part == 7:
+            y7 = zq.to(torch.float32) * scale
+            valid7 = (tile_v.index < v)[None, :]
+            ym7 = torch.where(valid7, y7, float("-inf"))
+            m7 = torch.amax(ym7, dim=1)
+            m7_ref = torch.where(m7 > float("-inf"), m7, 0.0)
+            e7 = torch.exp2(ym7 * LOG2E - (m7_ref * LOG2E)[:, None])
+            pmax[tile_v.id, tile_n] = m7
+            psum[tile_v.id, tile_n] = torch.sum(e7, dim=1)
+            t7 = target_local[tile_n]
+            inside = (t7 >= tile_v.begin) & (t7 < tile_v.end)
+            if torch.amax(inside.to(torch.int32)) > 0:  # a tile holding some row's target: ~1/4 of them
+                hit7 = tile_v.index[None, :] == t7[:, None]
+                ptgt[tile_v.id, tile_n] = torch.sum(torch.where(hit7, y7, 0.0), dim=1)
+            else:
+                ptgt[tile_v.id, tile_n] = m7 * 0.0
+            f7 = torch.exp2((m7_ref - r) * LOG2E)
+            z_out[tile_n, tile_v] = (e7 * f7[:, None]).to(z_out.dtype)
+        if part == 8:
+            y8 = zq.to(torch.float32) * scale
+            m8 = torch.amax(y8, dim=1)  # Helion masks the reductions of a ragged last tile itself
+            m8_ref = torch.where(m8 > float("-inf"), m8, 0.0)
+            e8 = torch.exp2(y8 * LOG2E - (m8_ref * LOG2E)[:, None])
+            pmax[tile_v.id, tile_n] = m8
+            psum[tile_v.id, tile_n] = torch.sum(e8, dim=1)
+            t8 = target_local[tile_n]
+            inside8 = (t8 >= tile_v.begin) & (t8 < tile_v.end)
+            if torch.amax(inside8.to(torch.int32)) > 0:
+                hit8 = tile_v.index[None, :] == t8[:, None]
+                ptgt[tile_v.id, tile_n] = torch.sum(torch.where(hit8, y8, 0.0), dim=1)
+            else:
+                ptgt[tile_v.id, tile_n] = m8 * 0.0
+            f8 = torch.exp2((m8_ref - r) * LOG2E)
+            z_out[tile_n, tile_v] = (e8 * f8[:, None]).to(z_out.dtype)
     return pmax, psum, ptgt, psumy, pent
 
 
@@ -176,6 +214,7 @@ def main() -> None:
     ap.add_argument("--parts", default="0,1,2,3,4,5,6")
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=1, help="time the variants' loss this many times, in turn")
     a = ap.parse_args()
     kernels = launch._kernels()
     shipped = kernels["lse_forward"]
@@ -197,7 +236,7 @@ def main() -> None:
         mmc = cuda_steady_ms(lambda: torch.mm(xc, w.detach().T, out=zc), a.reps)
         print(f"{name}: bare matmul {mm:.2f} ms (x3 {3 * mm:.2f}), three distinct matmuls {mm3:.2f} ms; "
               f"chunk [{rows_c}, {v}] matmul {mmc:.3f} ms", flush=True)
-        for part in [-1, *map(int, a.parts.split(","))]:
+        for part in [-1, *map(int, a.parts.split(","))] * a.repeat:
             kernels["lse_forward"] = shipped if part < 0 else _Variant(part)
             label = "shipped kernel" if part < 0 else f"part {part}: {NAMES[part]}"
             try:

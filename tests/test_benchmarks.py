@@ -233,8 +233,8 @@ def test_probe_scripts_import_and_wrap():
 
 
 def test_epilogue_probe_parts_and_three_matmuls():
-    """benchmarks/epilogue_probe.py's part 5 is the shipped store pass (same partials and stored
-    exponentials), part 4 merges to the same lse and target logit against the reference; and
+    """benchmarks/epilogue_probe.py's parts 5, 7, 8 are the shipped store pass (same partials and
+    stored exponentials), part 4 merges to the same lse and target logit against the reference; and
     ``_timing.three_matmuls`` runs the layer's three distinct matmuls."""
     from flce_dist import rowscale
     from flce_dist._timing import three_matmuls
@@ -250,15 +250,19 @@ def test_epilogue_probe_parts_and_three_matmuls():
     x = torch.randn(n, h, generator=g, dtype=torch.float64).float()
     w = torch.randn(v, h, generator=g, dtype=torch.float64).float() * 0.7
     t = torch.randint(0, v, (n,), generator=g).to(torch.int32)
+    t[:16] = 5  # the first row tile's targets all in vocab tile 0: tiles without a target (parts 7, 8 branch)
+    t[20:23] = -1  # no target in this shard
     r = rowscale.reference(x, w, 1.0)
     common = (x, w, w.new_zeros(1), t)
     tail = (r, 1.0, 0.0, False, launch.STORE_EXP, False, False, 16, 128, 8)
     z_ship, z5, z4 = (torch.full((n, v), float("nan")) for _ in range(3))
     ship = lse_forward_partials(*common, z_ship, *tail)
-    p5 = ep.probe_partials(*common, z5, *tail, 5)
-    for a, b in zip(ship[:3], p5[:3]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(z_ship, z5, rtol=0, atol=0)
+    for part in (5, 7, 8):  # the shipped epilogue, and two cheaper forms of it that must agree bit for bit
+        z5.fill_(float("nan"))
+        p5 = ep.probe_partials(*common, z5, *tail, part)
+        for a, b in zip(ship[:3], p5[:3]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(z_ship, z5, rtol=0, atol=0)
     p4 = ep.probe_partials(*common, z4, *tail, 4)
     want = merge_partials(*ship, False)
     got = merge_partials(p4[0], p4[1], p4[2], p4[3][:1], p4[4], False)

@@ -19,9 +19,12 @@ Two sources:
    suffix ``lm_head.weight`` (any prefix such as ``model.`` or ``app.model.`` is stripped), the
    sizes are read off the weights and the head counts off ``--config``. Token ids: ``--tokens`` (a
    ``.pt`` holding ``{"ids": ...}`` as the launcher caches them under ``runs/cache``; default: the
-   newest ``runs/cache/tokens-*.pt`` whose vocab fits the checkpoint). Checked here against a DCP
-   folder this script writes itself (``--selftest-dcp``); the launcher's own layout was being
-   rewritten at the time, see NOTES.md "Data modes".
+   newest ``runs/cache/tokens-*.pt`` whose vocab fits the checkpoint). Checked against a DCP
+   folder this script writes itself (``--selftest-dcp``, tests/test_benchmarks.py) and against the
+   launcher's own checkpoint of a (dp=2, tp=2) FSDP2 x TP job (tests/test_train.py). On the GPU:
+   ``bash benchmarks/device.sh trainedbench`` trains ``configs/train/llama_small_gpu.toml`` with the
+   launcher, captures from its last checkpoint and runs ``bench.py --data trained`` (the image has
+   transformers and tokenizers).
 
 The fixture (``--out``, default ``benchmarks/fixtures/trained.pt``; ``benchmarks/fixtures/`` is
 git-ignored) holds ``hidden [m, H]`` bf16 (the decoder's output after the final norm, i.e. what

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab gradab gradbench eventprobe epiprobe mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain quack1 quack2 benchquack
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab gradab gradbench eventprobe epiprobe mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -75,6 +75,13 @@ for w in ${*:-tests bench}; do
                --set training.steps=${TRAIN_STEPS:-200} --set model.grad_filter_eps=\"$e\" --set job.out_dir=\"runs/gpu_filter_$tag\" --set job.progress=\"off\" \
                --set checkpoint.ckpt_every=0 2>&1 | flt > "$OUT/train_filter_$tag.log"; cp runs/gpu_filter_$tag/losses.json "$OUT/losses_filter_$tag.json"; tail -1 "$OUT/train_filter_$tag.log"; done
              python3 benchmarks/compare_losses.py "$OUT/losses_filter_exact.json" "$OUT/losses_filter_auto.json" 2>&1 | tee "$OUT/filter_curve.txt" | tail -4 ;;
+    trainedbench) st=${TRAIN_STEPS:-300}  # issue 15 item 1: a model launch/train.py trained here, its DCP checkpoint -> the trained fixture -> bench
+             NGPU=1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 240 bash launch/train.sh --overwrite --set parallel.tp=1 \
+               --set training.steps=$st --set checkpoint.ckpt_every=$st --set job.out_dir=\"runs/gpu_trained\" --set job.progress=\"off\" 2>&1 | flt > "$OUT/train_trained.log"; tail -1 "$OUT/train_trained.log"
+             timeout 150 python3 benchmarks/capture_trained.py --checkpoint runs/gpu_trained/checkpoints/step_$(printf %08d $st) \
+               --config configs/train/llama_small_gpu.toml --out benchmarks/fixtures/trained.pt 2>&1 | flt | tee "$OUT/capture_trained.log" | tail -2
+             timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --data trained --fixture benchmarks/fixtures/trained.pt --impls ${BENCH_IMPLS:-flce,flce_filter,cce,cce_exact,liger,torch} \
+               --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_trained.log" | tail -${BENCH_TAIL:-10} ;;
     quack1) mkdir -p /tmp/qk && cp .qk1/* /tmp/qk/ ;;  # QuACK's wheels, first half (benchmarks/quack_wheels.sh)
     quack2) cp .qk2/* /tmp/qk/ && (cd /tmp/qk && cat cu12.whl.part00 cu12.whl.part01 > "$(cut -d' ' -f3 cu12.sha256)" && sha256sum -c cu12.sha256 \
               && rm -f cu12.whl.part* && python3 -m pip install -q --no-deps --no-index --target /tmp/site-packages /tmp/qk/*.whl) 2>&1 | tail -2

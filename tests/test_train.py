@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "launch" / "train.py"
@@ -193,6 +194,27 @@ def test_dcp_resume_across_layouts(runs):
     assert "saved at dp=2 x tp=2" in r["output"]
     diff = _max_diff(r["losses"], d["losses"])  # steps 1-4 from the checkpoint, 5-8 recomputed at (4, 1)
     assert diff < TOL, f"(2,2) -> (4,1) resume vs uninterrupted (2,2): {diff:.3e}\n{r['losses']}\n{d['losses']}"
+
+
+@pytest.mark.dist
+def test_capture_trained_fixture_from_launcher_checkpoint(runs):
+    """benchmarks/capture_trained.py --checkpoint on this job's own DCP checkpoint (d2t2's last: the
+    lm_head and every layer saved as FSDP2 x TP DTensor shards): the ``trained`` data mode's fixture
+    holds the full lm_head, hidden states of the model's width and a loss near the job's own."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import capture_trained
+
+    tmp, d = runs["tmp"], runs["d2t2"]
+    tokens = next((tmp / "cache").glob("tokens-*.pt"))
+    out = tmp / "trained_fixture.pt"
+    capture_trained.main(["--device", "cpu", "--checkpoint", str(tmp / "d2t2" / "checkpoints" / f"step_{STEPS:08d}"),
+                          "--tokens", str(tokens), "--config", str(CONFIG), "--seq", "64", "--rows", "256",
+                          "--out", str(out)])
+    fx = torch.load(out, weights_only=False)
+    assert fx["weight"].shape == (d["vocab_size"], 64) and fx["hidden"].shape == (256, 64)
+    assert fx["target"].shape == (256,) and int(fx["target"].max()) < d["vocab_size"]
+    assert torch.isfinite(fx["hidden"].float()).all() and fx["hidden"].float().std() > 0.1
+    assert abs(fx["meta"]["capture_loss"] - d["losses"][-1]) < 0.5, (fx["meta"], d["losses"][-1])
 
 
 @pytest.mark.dist

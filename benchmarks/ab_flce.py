@@ -8,7 +8,8 @@ at N=8192 bf16 on random inputs (0.02-scaled weights, as bench.py), fwd+bwd of
 ``fused_linear_cross_entropy`` (steady state: back-to-back calls), its forward alone under
 ``torch.no_grad()`` and the bare cuBLAS matmul ``x @ W.T`` in the same process, then prints one line
 per shape: ms, ratio to three matmuls (fwd+bwd) and to one (forward), and the ratio to the layer's three
-distinct matmuls run back to back (``_timing.three_matmuls``: x @ W.T, dy @ W, dy.T @ x). Run it
+distinct matmuls run back to back (``_timing.three_matmuls``: x @ W.T, dy @ W, dy.T @ x), with the
+energy per call of both where NVML can be read (``_timing.energy_j``). Run it
 for both trees in one device call and compare the ratios (the matmul normalises machine drift).
 """
 
@@ -23,10 +24,10 @@ import torch
 import flce_dist  # noqa: E402  (the first on PYTHONPATH: the tree under test)
 from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms  # noqa: E402
 
-try:  # the three distinct matmuls (not in the _timing.py of trees before run 20)
-    from flce_dist._timing import three_matmuls  # noqa: E402
+try:  # the three distinct matmuls and NVML energy (not in the _timing.py of trees before run 20)
+    from flce_dist._timing import energy_j, three_matmuls  # noqa: E402
 except ImportError:
-    three_matmuls = None
+    energy_j = three_matmuls = None
 
 
 def inputs(n: int, h: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,7 +53,11 @@ def main() -> None:
         x, w, t = inputs(args.n, *SHAPES[name])
 
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, args.reps)
-        mm3 = cuda_steady_ms(three_matmuls(x.detach(), w.detach()), args.reps) if three_matmuls else float("nan")
+        mm3, e3 = float("nan"), None
+        if three_matmuls:
+            floor3 = three_matmuls(x.detach(), w.detach())
+            mm3, e3 = cuda_steady_ms(floor3, args.reps), energy_j(floor3)
+            del floor3
         torch.cuda.empty_cache()
         for form in forms * 2 or [None]:
             ctx = flce_dist.settings.override(grad_form=form) if form else contextlib.nullcontext()
@@ -63,10 +68,13 @@ def main() -> None:
                     flce_dist.fused_linear_cross_entropy(x, w, t).backward()
 
                 ms = cuda_steady_ms(step, args.reps)
+                ej = energy_j(step) if e3 else None
                 with torch.no_grad():
                     fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
             print(f"[{tag}] {name:7} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
-                  f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm  3 distinct {mm3:6.2f} ms {ms / mm3:.3f}x", flush=True)
+                  f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm  3 distinct {mm3:6.2f} ms {ms / mm3:.3f}x"
+                  + (f"  energy {ej[0]:.2f} J = {ej[0] / e3[0]:.3f}x the 3 distinct matmuls' ({ej[2]:.0f} vs {e3[2]:.0f} W)"
+                     if ej else ""), flush=True)
         if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)
             from flce_dist import rowscale
 

@@ -27,7 +27,10 @@ loss's other kernels do the same work as with the shipped one; their loss values
 their times are read. Parts 4 and 5 give the loss's own statistics (4: unless exp(y - r) overflows,
 which a real change would have to catch). The floor is printed two ways: 3 x the bare ``x @ W.T``
 (what the README's ratios use) and the layer's three distinct matmuls run back to back
-(``x @ W.T``, ``dy @ W``, ``dy.T @ x``: ``_timing.three_matmuls``).
+(``x @ W.T``, ``dy @ W``, ``dy.T @ x``: ``_timing.three_matmuls``). Where NVML can be read
+(``_timing.energy_j``), each loss and the three distinct matmuls also get joules per run: both loops
+run at the board's power cap, where a variant's cost is its energy (a kernel can be faster alone and
+still cost the loss time, as runs 11-19 saw four times).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 
 import flce_dist
 from flce_dist import core, rowscale
-from flce_dist._timing import SHAPES, cuda_steady_ms, three_matmuls
+from flce_dist._timing import SHAPES, cuda_steady_ms, energy_j, three_matmuls
 from flce_dist.kernels import launch
 from flce_dist.kernels.common import LOG2E, SETTINGS
 from flce_dist.options import FLCEParams, LossOptions
@@ -215,6 +218,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1, help="time the variants' loss this many times, in turn")
+    ap.add_argument("--energy-calls", type=int, default=25, help="back-to-back calls per NVML energy reading "
+                    "(~1 s of work; 0: no energy columns)")
     a = ap.parse_args()
     kernels = launch._kernels()
     shipped = kernels["lse_forward"]
@@ -232,10 +237,14 @@ def main() -> None:
         zc = torch.empty(rows_c, v, device="cuda", dtype=torch.bfloat16)
         rc = rowscale.reference(xc, w.detach(), 1.0)
         mm = cuda_steady_ms(lambda: x.detach() @ w.detach().T, a.reps)
-        mm3 = cuda_steady_ms(three_matmuls(x.detach(), w.detach()), a.reps)
+        floor3 = three_matmuls(x.detach(), w.detach())
+        mm3 = cuda_steady_ms(floor3, a.reps)
+        e3 = energy_j(floor3, a.energy_calls) if a.energy_calls else None  # (J, ms, W) per call, or None
+        del floor3
         mmc = cuda_steady_ms(lambda: torch.mm(xc, w.detach().T, out=zc), a.reps)
         print(f"{name}: bare matmul {mm:.2f} ms (x3 {3 * mm:.2f}), three distinct matmuls {mm3:.2f} ms; "
-              f"chunk [{rows_c}, {v}] matmul {mmc:.3f} ms", flush=True)
+              f"chunk [{rows_c}, {v}] matmul {mmc:.3f} ms" + (f"; three distinct matmuls {e3[0]:.2f} J per run at "
+                                                              f"{e3[2]:.0f} W" if e3 else ""), flush=True)
         for part in [-1, *map(int, a.parts.split(","))] * a.repeat:
             kernels["lse_forward"] = shipped if part < 0 else _Variant(part)
             label = "shipped kernel" if part < 0 else f"part {part}: {NAMES[part]}"
@@ -248,20 +257,24 @@ def main() -> None:
                     flce_dist.fused_linear_cross_entropy(x, w, t).backward()
 
                 fb = cuda_steady_ms(step, a.reps)
+                ej = energy_j(step, a.energy_calls) if e3 else None
             except Exception as e:  # noqa: BLE001
                 print(f"  {label}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue
             finally:
                 kernels["lse_forward"] = shipped
-            rows.append((name, label, one, one / mmc, fb, fb / (3 * mm), fb / mm3))
+            jr = ej[0] / e3[0] if ej else float("nan")  # the loss's energy over the three distinct matmuls'
+            rows.append((name, label, one, one / mmc, fb, fb / (3 * mm), fb / mm3, ej[0] if ej else float("nan"), jr))
             print(f"  {label:28} chunk {one:7.3f} ms ({one / mmc:.3f}x)  loss {fb:7.2f} ms "
-                  f"({fb / (3 * mm):.3f}x 3mm, {fb / mm3:.3f}x 3 distinct)", flush=True)
+                  f"({fb / (3 * mm):.3f}x 3mm, {fb / mm3:.3f}x 3 distinct)"
+                  + (f"  {ej[0]:.2f} J ({jr:.3f}x the distinct matmuls') at {ej[2]:.0f} W" if ej else ""), flush=True)
         del x, w, t, zc
         torch.cuda.empty_cache()
     print("\n=== epilogue_probe summary (chunk: kernel + merge vs the chunk's cuBLAS matmul; loss: fwd+bwd)")
-    print(f"{'shape':7} {'variant':28} {'chunk ms':>9} {'x mm':>6} {'loss ms':>8} {'x3mm':>6} {'x3dist':>7}")
+    print(f"{'shape':7} {'variant':28} {'chunk ms':>9} {'x mm':>6} {'loss ms':>8} {'x3mm':>6} {'x3dist':>7}"
+          f" {'loss J':>7} {'xJ3dist':>8}")
     for r in rows:
-        print(f"{r[0]:7} {r[1]:28} {r[2]:9.3f} {r[3]:6.3f} {r[4]:8.2f} {r[5]:6.3f} {r[6]:7.3f}")
+        print(f"{r[0]:7} {r[1]:28} {r[2]:9.3f} {r[3]:6.3f} {r[4]:8.2f} {r[5]:6.3f} {r[6]:7.3f} {r[7]:7.2f} {r[8]:8.3f}")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,38 @@ def three_matmuls(x: torch.Tensor, w: torch.Tensor, seed: int = 1) -> Callable[[
     return run
 
 
+def energy_j(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> tuple[float, float, float] | None:
+    """``(joules per call, ms per call, mean watts)`` of ``calls`` back-to-back calls of ``fn``, from
+    NVML's total-energy counter of the board (mJ) read on an idle GPU before and after them; None
+    where NVML cannot be read (no ``pynvml``, no CUDA). The counter advances every few tens of ms:
+    give it a window of about a second. At the power cap (~690 W on the lent H200s, benchmarks/NOTES.md
+    run 19) time is energy over the cap, so J per call says what a variant costs where a kernel's time
+    alone does not."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(torch.cuda.current_device()))
+        read = lambda: pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)  # noqa: E731
+        read()
+    except Exception:  # noqa: BLE001  (ImportError, NVMLError, no CUDA)
+        return None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0 = read()
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    b.synchronize()
+    e1 = read()
+    ms = a.elapsed_time(b) / calls
+    j = (e1 - e0) / 1e3 / calls
+    return j, ms, j / (ms / 1e3)
+
+
 def peak_gib(fn: Callable[[], object], *params: torch.Tensor) -> float:
     """Peak memory above the inputs during one call of ``fn``, INCLUDING the gradients it returns
     (the grads of ``params`` are cleared first, so they are not counted in the baseline)."""

@@ -235,7 +235,7 @@ def test_probe_scripts_import_and_wrap():
 def test_epilogue_probe_parts_and_three_matmuls():
     """benchmarks/epilogue_probe.py's parts 5, 7, 8 are the shipped store pass (same partials and
     stored exponentials), part 4 merges to the same lse and target logit against the reference; and
-    ``_timing.three_matmuls`` runs the layer's three distinct matmuls."""
+    ``_timing.three_matmuls`` runs the layer's three distinct matmuls; ``energy_j`` is None without a GPU."""
     from flce_dist import rowscale
     from flce_dist._timing import three_matmuls
     from flce_dist.kernels import launch
@@ -277,3 +277,8 @@ def test_epilogue_probe_parts_and_three_matmuls():
     assert torch.isfinite(dy).all() and dy.std() > 0.5  # random, not zeros
     torch.testing.assert_close(dx, dy @ wb)
     torch.testing.assert_close(dw, dy.T @ xb)
+    if not torch.cuda.is_available():  # NVML's energy counter needs a GPU: no reading, and fn is not called
+        from flce_dist._timing import energy_j
+
+        calls = []
+        assert energy_j(lambda: calls.append(1), calls=3) is None and not calls

@@ -21,6 +21,9 @@ at N = 8192, steady back to back, against the bare cuBLAS matmul of the same run
             per tile on the row tile's targets: ~1/4 of the tiles at random targets, fewer at gemma)
     part 8  part 7 without the kernel's own ``where(valid, y, -inf)`` (Helion masks the reductions
             over a ragged last tile itself, and drops the masks where the tile divides V)
+    part 9  part 5 without the target compare; the target logits from their own small launch
+            (``target_dot``: each row's dot with its gathered target row, the pass's K blocks and
+            order). Exact only if those bits equal the pass's: the probe counts the rows that do
 
 Parts 0-3 write partials that keep the loss finite and the row-scale gate closed (pmax = r), so the
 loss's other kernels do the same work as with the shipped one; their loss values are wrong, only
@@ -49,7 +52,7 @@ from flce_dist.kernels.common import LOG2E, SETTINGS
 from flce_dist.options import FLCEParams, LossOptions
 from flce_dist.settings import current
 
-NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store", 7: "shipped, target per tile", 8: "7 without the valid mask"}
+NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store", 7: "shipped, target per tile", 8: "7 without the valid mask", 9: "5, target by its own dot"}
 
 
 @helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
@@ -184,7 +187,59 @@ def probe_partials(
                 ptgt[tile_v.id, tile_n] = m8 * 0.0
             f8 = torch.exp2((m8_ref - r) * LOG2E)
             z_out[tile_n, tile_v] = (e8 * f8[:, None]).to(z_out.dtype)
+        if part == 9:
+            y9 = zq.to(torch.float32) * scale
+            valid9 = (tile_v.index < v)[None, :]
+            ym9 = torch.where(valid9, y9, float("-inf"))
+            m9 = torch.amax(ym9, dim=1)
+            m9_ref = torch.where(m9 > float("-inf"), m9, 0.0)
+            e9 = torch.exp2(ym9 * LOG2E - (m9_ref * LOG2E)[:, None])
+            pmax[tile_v.id, tile_n] = m9
+            psum[tile_v.id, tile_n] = torch.sum(e9, dim=1)
+            f9 = torch.exp2((m9_ref - r) * LOG2E)
+            z_out[tile_n, tile_v] = (e9 * f9[:, None]).to(z_out.dtype)
     return pmax, psum, ptgt, psumy, pent
+
+
+@helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
+def target_dot(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    target_local: torch.Tensor,
+    scale: float,
+    block_n: hl.constexpr,
+    block_h: hl.constexpr,
+) -> torch.Tensor:
+    """ptgt [1, N]: each row's target logit (0 without a local target) as its own [BN, BN] dot of
+    x's rows with the gathered target rows of W, the diagonal kept: the same K blocks, in the same
+    order, into a float32 accumulator from zero, as the store pass's tile that holds the target.
+    Whether that gives the pass's bits is what part 9 checks on the GPU."""
+    n, h = x.size()
+    out = torch.empty([1, n], dtype=torch.float32, device=x.device)
+    for tile_n in hl.tile(n, block_size=block_n):
+        t = target_local[tile_n]
+        tc = torch.where(t >= 0, t, 0)
+        acc = hl.zeros([tile_n, tile_n], dtype=torch.float32)
+        for tile_h in hl.tile(h, block_size=block_h):
+            acc = hl.dot(x[tile_n, tile_h], w[tc, tile_h].T, acc=acc)
+        zq = acc.to(x.dtype).to(torch.float32) * scale
+        diag = tile_n.index[:, None] == tile_n.index[None, :]
+        yt = torch.sum(torch.where(diag, zq, 0.0), dim=1)
+        out[0, tile_n] = torch.where(t >= 0, yt, 0.0)
+    return out
+
+
+_TD_CONFIG = {"num_warps": 8, "num_stages": 3}  # by hand (a probe): 128-row tiles, the pass's 64-deep K steps
+
+
+def target_rows_dot(x: torch.Tensor, w: torch.Tensor, tl: torch.Tensor, scale: float, block_h: int = 64,
+                    block_n: int = 128) -> torch.Tensor:
+    """``target_dot`` bound with a fixed config (never autotuned); CPU: reference mode."""
+    args = (x, w, tl, float(scale), block_n, block_h)
+    b = target_dot.bind(args)
+    if x.is_cuda:
+        b.set_config(helion.Config(**_TD_CONFIG))
+    return b(*args)
 
 
 class _Variant:
@@ -208,7 +263,11 @@ class _Bound:
         self.b.set_config(cfg)
 
     def __call__(self, *full):
-        return self.b(*full, self.part)
+        out = self.b(*full, self.part)
+        if self.part == 9:  # the target logits from their own launch: a one-row ptgt (launch.merge sums it)
+            x, w, _, tl, *_rest = full
+            out = (out[0], out[1], target_rows_dot(x, w, tl, full[6], full[14]), out[3], out[4])
+        return out
 
 
 def main() -> None:
@@ -245,6 +304,14 @@ def main() -> None:
         print(f"{name}: bare matmul {mm:.2f} ms (x3 {3 * mm:.2f}), three distinct matmuls {mm3:.2f} ms; "
               f"chunk [{rows_c}, {v}] matmul {mmc:.3f} ms" + (f"; three distinct matmuls {e3[0]:.2f} J per run at "
                                                               f"{e3[2]:.0f} W" if e3 else ""), flush=True)
+        if 9 in map(int, a.parts.split(",")):  # do target_dot's bits match the shipped pass's target logits?
+            st_ship = launch.lse_forward(xc, w.detach(), None, tc, 1.0, 0.0, False, s, z_out=zc, exp_ref=rc)
+            yt = target_rows_dot(xc, w.detach(), tc, 1.0, launch.entry("lse_forward", xc.device, xc.dtype, "store", h,
+                                                                        s)["block"]["block_h"])[0]
+            same = int((yt == st_ship[:, 1]).sum())
+            diff = (yt - st_ship[:, 1]).abs().max().item()
+            print(f"  target_dot vs the shipped pass: {same} of {rows_c} target logits bit-identical, max |diff| {diff:.3e}",
+                  flush=True)
         for part in [-1, *map(int, a.parts.split(","))] * a.repeat:
             kernels["lse_forward"] = shipped if part < 0 else _Variant(part)
             label = "shipped kernel" if part < 0 else f"part {part}: {NAMES[part]}"

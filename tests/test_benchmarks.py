@@ -263,6 +263,23 @@ def test_epilogue_probe_parts_and_three_matmuls():
         for a, b in zip(ship[:3], p5[:3]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(z_ship, z5, rtol=0, atol=0)
+    p9 = ep.probe_partials(*common, z5, *tail, 9)  # part 9: the shipped pass without the target compare
+    for a, b in zip(ship[:2], p9[:2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(z_ship, z5, rtol=0, atol=0)
+    yt = ep.target_rows_dot(x, w, t, 1.0, block_h=8, block_n=16)  # its target logits, from their own launch
+    assert yt.shape == (1, n) and torch.all(yt[0, t < 0] == 0)
+    torch.testing.assert_close(yt[0], ship[2].sum(0), rtol=1e-5, atol=1e-5)
+    kernels = launch._kernels()  # as the probe runs it: part 9 standing in for the shipped kernel
+    from flce_dist.settings import current
+
+    want_st = launch.lse_forward(x, w, None, t, 1.0, 0.0, False, current(), z_out=z4, exp_ref=r)
+    shipped, kernels["lse_forward"] = kernels["lse_forward"], ep._Variant(9)
+    try:
+        got_st = launch.lse_forward(x, w, None, t, 1.0, 0.0, False, current(), z_out=z5, exp_ref=r)
+    finally:
+        kernels["lse_forward"] = shipped
+    torch.testing.assert_close(got_st, want_st, rtol=1e-5, atol=1e-5)
     p4 = ep.probe_partials(*common, z4, *tail, 4)
     want = merge_partials(*ship, False)
     got = merge_partials(p4[0], p4[1], p4[2], p4[3][:1], p4[4], False)

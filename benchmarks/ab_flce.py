@@ -1,13 +1,14 @@
 """Before/after timing of the fused loss alone (a refactor must not slow it down).
 
     PYTHONPATH=<tree> python3 benchmarks/ab_flce.py --tag NAME [--shapes llama3,gemma] [--reps 20]
-        [--grad-forms chunk_grad,rowscale]
+        [--grad-forms chunk_grad,rowscale] [--data random,realistic] [--fixture PATH]
 
 Imports whichever ``flce_dist`` is first on ``PYTHONPATH`` (e.g. an exported older commit) and times,
-at N=8192 bf16 on random inputs (0.02-scaled weights, as bench.py), fwd+bwd of
+at N=8192 bf16, per data mode (``--data``, default ``random,realistic``: ``random`` is this script's
+0.02-scaled inputs of every A/B since run 13, the others benchmarks/data.py's), fwd+bwd of
 ``fused_linear_cross_entropy`` (steady state: back-to-back calls), its forward alone under
 ``torch.no_grad()`` and the bare cuBLAS matmul ``x @ W.T`` in the same process, then prints one line
-per shape: ms, ratio to three matmuls (fwd+bwd) and to one (forward), and the ratio to the layer's three
+per shape and data mode: ms, ratio to three matmuls (fwd+bwd) and to one (forward), and the ratio to the layer's three
 distinct matmuls run back to back (``_timing.three_matmuls``: x @ W.T, dy @ W, dy.T @ x), with the
 energy per call of both where NVML can be read (``_timing.energy_j``). Run it
 for both trees in one device call and compare the ratios (the matmul normalises machine drift).
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import torch
 
@@ -30,12 +33,36 @@ except ImportError:
     energy_j = three_matmuls = None
 
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: data.py
+import data as bench_data  # noqa: E402
+
+
 def inputs(n: int, h: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [n, h] and w [v, h] (0.02-scaled) bf16 CUDA leaves that require grad, targets [n] int64."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
     return x, w, torch.randint(0, v, (n,), device="cuda", generator=g)
+
+
+def cases(shapes: str, data: list[str], fixture: str = "") -> list[tuple[str, str, int, int]]:
+    """``(shape, data mode, H, V)`` per case, as bench.py lists them (``trained``: the fixture's H, V)."""
+    out = [(name, d, *SHAPES[name]) for name in shapes.split(",") for d in data if d != "trained"]
+    if "trained" in data:
+        out.append(("trained", "trained", *bench_data.fixture_shape(fixture)))
+    return out
+
+
+def case_inputs(n: int, h: int, v: int, mode: str, sorted_vocab: bool = False,
+                fixture: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``random``: :func:`inputs` (every A/B since run 13, bit for bit); the other modes from
+    benchmarks/data.py (``realistic``: a trained-like long-tailed head; ``trained``: a fixture), as
+    bf16 CUDA leaves that require grad."""
+    if mode == "random":
+        return inputs(n, h, v)
+    x, w, t = bench_data.make_inputs(n, h, v, mode=mode, dtype=torch.bfloat16, device="cuda", seed=0,
+                                     sorted_vocab=sorted_vocab, fixture=fixture or None)
+    return x.requires_grad_(), w.requires_grad_(), t
 
 
 def main() -> None:
@@ -46,11 +73,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--grad-forms", default="", help="e.g. chunk_grad,rowscale: each shape timed with each "
                     "Settings(grad_form=...) in turn, twice (A B A B), in this one process")
+    bench_data.add_data_args(ap)
     args = ap.parse_args()
+    bench_data.check_data_args(ap, args)
     forms = [f for f in args.grad_forms.split(",") if f]
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
-    for name in args.shapes.split(","):
-        x, w, t = inputs(args.n, *SHAPES[name])
+    for shape, mode, h, v in cases(args.shapes, args.data, args.fixture):
+        x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)
+        name = f"{shape:7} {mode:9}"
 
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         mm3, e3 = float("nan"), None
@@ -71,7 +101,7 @@ def main() -> None:
                 ej = energy_j(step) if e3 else None
                 with torch.no_grad():
                     fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
-            print(f"[{tag}] {name:7} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
+            print(f"[{tag}] {name} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
                   f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm  3 distinct {mm3:6.2f} ms {ms / mm3:.3f}x"
                   + (f"  energy {ej[0]:.2f} J = {ej[0] / e3[0]:.3f}x the 3 distinct matmuls' ({ej[2]:.0f} vs {e3[2]:.0f} W)"
                      if ej else ""), flush=True)
@@ -91,7 +121,7 @@ def main() -> None:
                     flce_dist.fused_linear_cross_entropy(x, w, t).backward()
             finally:
                 rowscale.prepare_ = real
-            print(f"[{args.tag}] {name:7} rowscale fallback chunks: {int(sum(g.item() for g in gates))} of {len(gates)}")
+            print(f"[{args.tag}] {name} rowscale fallback chunks: {int(sum(g.item() for g in gates))} of {len(gates)}")
         del x, w, t
         torch.cuda.empty_cache()
 

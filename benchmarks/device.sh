@@ -26,14 +26,14 @@ for w in ${*:-tests bench}; do
     tunepers) for sh in "" "--h 2304 --v 262208 --shape-class --rows 1664"; do  # run 17: flattened persistent logits kernels, llama3 then gemma's class
                timeout 200 python3 -m flce_dist.tune --candidates persistent --only lse_forward,lse_forward_store $sh --out configs/helion/h200.json 2>&1 | flt | tee -a "$OUT/tune_pers.log" | grep -v failed; done | tail -${TUNE_TAIL:-44}; cp configs/helion/h200.json "$OUT/" ;;
     storeab) for cfg in "" benchmarks/results/run17/store_winner; do tag=$([ -n "$cfg" ] && echo run17store || echo shipped)  # run 17's puzzle: a faster store kernel, a slower loss
-               FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} 2>&1 | flt | grep "^\["
+               FLCE_CONFIG_DIR=$cfg timeout 200 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\["
                FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/kernel_profile.py --shapes llama3 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
-    gradab) timeout 300 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale --shapes ${AB_SHAPES:-llama3,qwen3,gemma} 2>&1 | flt | grep "^\[" | tee "$OUT/gradab.log" ;;  # rowscale.py vs chunk_grad_, A B A B in one process
+    gradab) timeout 560 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" | tee "$OUT/gradab.log" ;;  # rowscale.py vs chunk_grad_, A B A B in one process
     gradbench) timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16 ;;
-    eventprobe) for m in fb fwd; do timeout 200 python3 benchmarks/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} 2>&1 | flt > "$OUT/event_probe_$m.log"  # the loss split by CUDA events, no profiler
+    eventprobe) for m in fb fwd; do timeout 280 python3 benchmarks/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"  # the loss split by CUDA events, no profiler
                  grep -q "=== event_probe summary" "$OUT/event_probe_$m.log" && sed -n '/=== event_probe summary/,$p' "$OUT/event_probe_$m.log" || tail -20 "$OUT/event_probe_$m.log"; done ;;
     mergeprobe) timeout 150 python3 benchmarks/merge_probe.py --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/merge_probe.log" | tail -14; cp configs/helion/h200.json "$OUT/" ;;  # the partial merge's config (writes the winner)
-    epiprobe) timeout ${PROBE_TIMEOUT:-480} python3 benchmarks/epilogue_probe.py --shapes ${PROBE_SHAPES:-llama3,gemma} ${PROBE_ARGS:-} 2>&1 | flt > "$OUT/epilogue_probe.log"  # run 20: the store pass's epilogue, part by part
+    epiprobe) timeout ${PROBE_TIMEOUT:-560} python3 benchmarks/epilogue_probe.py --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} ${PROBE_ARGS:-} 2>&1 | flt > "$OUT/epilogue_probe.log"  # run 20: the store pass's epilogue, part by part
               grep -q "=== epilogue_probe summary" "$OUT/epilogue_probe.log" && sed -n '/=== epilogue_probe summary/,$p' "$OUT/epilogue_probe.log" || tail -20 "$OUT/epilogue_probe.log" ;;
     launchprobe) timeout 120 python3 benchmarks/launch_probe.py 2>&1 | flt | tee "$OUT/launch_probe.log" | tail -2 ;;  # where the profile's "idle" goes
     scaleprobe) timeout 90 python3 benchmarks/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
@@ -46,7 +46,7 @@ for w in ${*:-tests bench}; do
     dtensor) timeout 300 torchrun --nproc_per_node="$ngpu" tests/dtensor_checks.py --backend nccl 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/dtensor_tests.log" | grep "FAIL\|passed\|Error" | tail -12 ;;
     ab) for tree in ${AB_TREES:-.old .}; do  # before/after a refactor: the loss alone vs the matmul, same machine
           tag=$([ "$tree" = . ] && echo new || echo "$tree")
-          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 200 python3 benchmarks/ab_flce.py --tag "$tag" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} 2>&1 | flt | grep "^\[" ; done | tee "$OUT/ab.log" ;;
+          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 280 python3 benchmarks/ab_flce.py --tag "$tag" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" ; done | tee "$OUT/ab.log" ;;
     tpab) for tree in ${AB_TREES:-.old .}; do  # TP=2 before/after (e.g. the per-call guard): flce vs its floor, same machine
           tag=$([ "$tree" = . ] && echo new || echo "$tree")
           PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --impls flce \

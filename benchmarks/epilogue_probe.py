@@ -1,6 +1,7 @@
 """What each part of the store pass's epilogue costs, alone and inside the loss.
 
     python3 benchmarks/epilogue_probe.py [--shapes llama3,gemma] [--parts 0,1,2,3,4,5] [--reps 10]
+        [--data random,realistic] [--repeat 1] [--energy-calls 25]
 
 The fused row-scale loss's store pass (``kernels/lse_forward.py`` with store == 2) ran 1.09-1.12x
 its bare cuBLAS matmul in runs 18-19, the forward-only pass (no store) 1.04x. This probe replaces
@@ -39,6 +40,8 @@ still cost the loss time, as runs 11-19 saw four times).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import helion
 import helion.language as hl
@@ -46,11 +49,15 @@ import torch
 
 import flce_dist
 from flce_dist import core, rowscale
-from flce_dist._timing import SHAPES, cuda_steady_ms, energy_j, three_matmuls
+from flce_dist._timing import cuda_steady_ms, energy_j, three_matmuls
 from flce_dist.kernels import launch
 from flce_dist.kernels.common import LOG2E, SETTINGS
 from flce_dist.options import FLCEParams, LossOptions
 from flce_dist.settings import current
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
+import data as bench_data  # noqa: E402
+from ab_flce import case_inputs, cases  # noqa: E402
 
 NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store", 7: "shipped, target per tile", 8: "7 without the valid mask", 9: "5, target by its own dot"}
 
@@ -279,17 +286,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="time the variants' loss this many times, in turn")
     ap.add_argument("--energy-calls", type=int, default=25, help="back-to-back calls per NVML energy reading "
                     "(~1 s of work; 0: no energy columns)")
+    bench_data.add_data_args(ap)
     a = ap.parse_args()
+    bench_data.check_data_args(ap, a)
     kernels = launch._kernels()
     shipped = kernels["lse_forward"]
     s = current()
     rows = []
-    for name in a.shapes.split(","):
-        h, v = SHAPES[name]
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(a.n, h, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-        w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02).requires_grad_()
-        t = torch.randint(0, v, (a.n,), device="cuda", generator=g)
+    for shape, mode, h, v in cases(a.shapes, a.data, a.fixture):
+        x, w, t = case_inputs(a.n, h, v, mode, a.sorted_vocab, a.fixture)  # random: ab_flce.py's inputs
+        name = f"{shape}/{mode}"
         p = FLCEParams(0, v, LossOptions(), s)
         rows_c = core.fused_plan(a.n, x, p, None, False)  # the loss's own chunk
         xc, tc = x.detach()[:rows_c], t[:rows_c].to(torch.int32)
@@ -338,10 +344,10 @@ def main() -> None:
         del x, w, t, zc
         torch.cuda.empty_cache()
     print("\n=== epilogue_probe summary (chunk: kernel + merge vs the chunk's cuBLAS matmul; loss: fwd+bwd)")
-    print(f"{'shape':7} {'variant':28} {'chunk ms':>9} {'x mm':>6} {'loss ms':>8} {'x3mm':>6} {'x3dist':>7}"
+    print(f"{'case':16} {'variant':28} {'chunk ms':>9} {'x mm':>6} {'loss ms':>8} {'x3mm':>6} {'x3dist':>7}"
           f" {'loss J':>7} {'xJ3dist':>8}")
     for r in rows:
-        print(f"{r[0]:7} {r[1]:28} {r[2]:9.3f} {r[3]:6.3f} {r[4]:8.2f} {r[5]:6.3f} {r[6]:7.3f} {r[7]:7.2f} {r[8]:8.3f}")
+        print(f"{r[0]:16} {r[1]:28} {r[2]:9.3f} {r[3]:6.3f} {r[4]:8.2f} {r[5]:6.3f} {r[6]:7.3f} {r[7]:7.2f} {r[8]:8.3f}")
 
 
 if __name__ == "__main__":

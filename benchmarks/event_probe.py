@@ -1,6 +1,6 @@
 """Where the fused loss's time goes, by CUDA events alone (no profiler).
 
-    python3 benchmarks/event_probe.py [--shapes llama3,gemma] [--mode fb|fwd] [--n 8192]
+    python3 benchmarks/event_probe.py [--shapes llama3,gemma] [--mode fb|fwd] [--n 8192] [--data random,realistic]
 
 Why: ``kernel_profile.py`` finds wall - kernel durations ~2.2 ms at llama3 while the profiled
 timeline's gaps add up to ~0.6 ms, and ``launch_probe.py`` found one store kernel 2.3 % faster under
@@ -12,7 +12,8 @@ two bracketed ops (torch's small kernels and launch gaps) is reported under the 
 The bare cuBLAS matmul gets the same treatment (plain and bracketed) so that the bracket's own cost
 is known, and ``nvidia-smi`` samples the SM clock and power during each phase.
 
-Prints one table per shape (ms per call, median over samples of ``--calls`` back-to-back calls).
+Prints one table per shape and data mode (``--data``: ``random`` is ab_flce.py's inputs, the others
+benchmarks/data.py's; ms per call, median over samples of ``--calls`` back-to-back calls).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import time
 from collections import defaultdict
 
 import torch
-from ab_flce import inputs as ab_inputs  # benchmarks/ (the script's own directory)
+import data as bench_data  # benchmarks/ (the script's own directory)
+from ab_flce import case_inputs, cases
 
 import flce_dist
 from flce_dist import rowscale
-from flce_dist._timing import SHAPES, cuda_steady_ms
+from flce_dist._timing import cuda_steady_ms
 from flce_dist.kernels import launch
 
 
@@ -147,7 +149,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--no-smi", action="store_true")
+    bench_data.add_data_args(ap)
     args = ap.parse_args()
+    bench_data.check_data_args(ap, args)
     br = Bracket()
     br.wrap(launch, "_launch", _launch_label)
     br.wrap(torch, "mm", _mm_label)
@@ -156,9 +160,8 @@ def main() -> None:
     br.wrap(rowscale, "prepare_", "rowscale.prepare_")
     report = []
     try:
-        for name in args.shapes.split(","):
-            h, v = SHAPES[name]
-            x, w, t = ab_inputs(args.n, h, v)  # ab_flce.py's inputs
+        for name, mode, h, v in cases(args.shapes, args.data, args.fixture):
+            x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)  # ab_flce.py's inputs
             xd, wd = x.detach(), w.detach()
 
             def loss():
@@ -186,7 +189,7 @@ def main() -> None:
             plain = cuda_steady_ms(loss, args.samples, args.calls)
             parts, wall = attribute(loss, br, args.calls, args.samples)
             mparts, mwall = attribute(floor_mm, br, args.calls, args.samples)
-            lines = [f"{name} H={h} V={v} N={args.n} mode={args.mode}: floor {nmm} x matmul {fl:.2f} ms (bracketed "
+            lines = [f"{name} {mode} H={h} V={v} N={args.n} mode={args.mode}: floor {nmm} x matmul {fl:.2f} ms (bracketed "
                      f"{mwall:.2f}; its cuBLAS calls {mparts.get('cuBLAS mm', 0):.2f}); loss plain {plain:.2f} ms = "
                      f"{plain / fl:.3f}x, bracketed {wall:.2f} ms = {wall / fl:.3f}x"]
             for k, ms in sorted(parts.items(), key=lambda kv: -kv[1]):

@@ -299,3 +299,17 @@ def test_epilogue_probe_parts_and_three_matmuls():
 
         calls = []
         assert energy_j(lambda: calls.append(1), calls=3) is None and not calls
+
+
+def test_ab_flce_cases_by_data_mode(tmp_path):
+    """ab_flce.py (and the probes that share its inputs) list one case per (shape, data mode), as
+    bench.py does; ``trained`` runs at the fixture's own H and V."""
+    ab = pytest.importorskip("ab_flce")
+    assert ab.cases("llama3,gemma", ["random", "realistic"]) == [
+        ("llama3", "random", 4096, 128256), ("llama3", "realistic", 4096, 128256),
+        ("gemma", "random", 2304, 262208), ("gemma", "realistic", 2304, 262208)]
+    fx = tmp_path / "fx.pt"
+    torch.save({"hidden": torch.zeros(4, 24, dtype=torch.bfloat16), "weight": torch.zeros(77, 24, dtype=torch.bfloat16),
+                "target": torch.zeros(4, dtype=torch.int64)}, fx)
+    assert ab.cases("qwen3", ["random", "trained"], str(fx)) == [("qwen3", "random", 4096, 151936),
+                                                                  ("trained", "trained", 24, 77)]

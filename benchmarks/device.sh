@@ -27,7 +27,7 @@ for w in ${*:-tests bench}; do
                timeout 200 python3 -m flce_dist.tune --candidates persistent --only lse_forward,lse_forward_store $sh --out configs/helion/h200.json 2>&1 | flt | tee -a "$OUT/tune_pers.log" | grep -v failed; done | tail -${TUNE_TAIL:-44}; cp configs/helion/h200.json "$OUT/" ;;
     storeab) for cfg in "" benchmarks/results/run17/store_winner; do tag=$([ -n "$cfg" ] && echo run17store || echo shipped)  # run 17's puzzle: a faster store kernel, a slower loss
                FLCE_CONFIG_DIR=$cfg timeout 200 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\["
-               FLCE_CONFIG_DIR=$cfg timeout 150 python3 benchmarks/kernel_profile.py --shapes llama3 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
+               FLCE_CONFIG_DIR=$cfg timeout 250 python3 benchmarks/kernel_profile.py --shapes llama3 --data ${AB_DATA:-random,realistic} 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
     gradab) timeout 560 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" | tee "$OUT/gradab.log" ;;  # rowscale.py vs chunk_grad_, A B A B in one process
     gradbench) timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16 ;;
     eventprobe) for m in fb fwd; do timeout 280 python3 benchmarks/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"  # the loss split by CUDA events, no profiler
@@ -53,8 +53,8 @@ for w in ${*:-tests bench}; do
             --data random --shapes ${AB_SHAPES:-llama3,gemma} --reps 10 2>&1 | flt | grep -v "^W1\|^I1" | tail -6 | sed "s/^/[$tag] /"; done | tee "$OUT/tpab.log" ;;
     tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
     bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32${FLCE_CHUNK_MB:+_$FLCE_CHUNK_MB}.log" | tail -6 ;;
-    profile) timeout 150 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | tee "$OUT/profile${PROFILE_TAG:-}.log" | tail -30 ;;
-    tpprofile) timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/profile_tp.log" | tail -30 ;;
+    profile) timeout 280 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} --data ${PROFILE_DATA:-random,realistic} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | tee "$OUT/profile${PROFILE_TAG:-}.log" | tail -30 ;;
+    tpprofile) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} --data ${PROFILE_DATA:-random,realistic} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/profile_tp.log" | tail -30 ;;
     train) for run in ${TRAIN_RUNS:-2:flce 1:flce 1:torch}; do set -- ${run/:/ }
              NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
                --overwrite --set parallel.tp=$1 --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \

@@ -1,9 +1,11 @@
 """Where the fused loss spends its time: a kernel-level breakdown from ``torch.profiler``.
 
     python benchmarks/kernel_profile.py [--shapes llama3,gemma] [--n 8192] [--dtype bf16] [--mode fb|fwd] [--strategy auto] [--out DIR]
+        [--data random,realistic]
     torchrun --nproc_per_node=2 benchmarks/kernel_profile.py ...   (vocab-parallel over NCCL; rank 0 reports)
 
-Per shape: the bare ``x @ W.T`` matmul (CUDA events, this run), then ``--iters`` profiled
+Per shape and data mode (``--data``, bench.py's inputs; rows of a mode other than ``random`` are
+labelled ``shape/mode``): the bare ``x @ W.T`` matmul (CUDA events, this run), then ``--iters`` profiled
 forward+backward calls of ``fused_linear_cross_entropy``. Kernels are grouped into classes
 (cuBLAS matmul, each Helion kernel, other torch kernels), each reported as ms per call and as a
 fraction of the floor (3 matmuls for ``--mode fb``, 1 for ``--mode fwd``, the no-grad forward);
@@ -35,7 +37,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms, write_csv  # noqa: E402
+from flce_dist._timing import DTYPES, cuda_steady_ms, cuda_time_ms, write_csv  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
+import data as bench_data  # noqa: E402
+from ab_flce import cases  # noqa: E402
 
 CLASSES = [("matmul (cuBLAS)", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_", re.I)),
            ("lse_forward (Helion)", re.compile(r"lse_forward", re.I)),
@@ -61,7 +67,9 @@ def main() -> None:
     ap.add_argument("--mode", default="fb", choices=["fb", "fwd"])
     ap.add_argument("--pyprof", action="store_true", help="also print a cProfile of the host side")
     ap.add_argument("--out", default="")
+    bench_data.add_data_args(ap)
     args = ap.parse_args()
+    bench_data.check_data_args(ap, args)
     rows, top = [], []
     tp, rank, group = int(os.environ.get("WORLD_SIZE", "1")), 0, None
     if tp > 1:
@@ -71,12 +79,14 @@ def main() -> None:
         group = dist.group.WORLD
     dt = DTYPES[args.dtype]
     nmm = 3 if args.mode == "fb" else 1
-    for shape in args.shapes.split(","):
-        h, v = SHAPES[shape]
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = torch.randn(args.n, h, device="cuda", dtype=dt, generator=g).requires_grad_()
-        w = (torch.randn(v, h, device="cuda", dtype=dt, generator=g) * h**-0.5).requires_grad_()
-        t = torch.randint(0, v, (args.n,), device="cuda", generator=g)
+    for name, mode, h, v in cases(args.shapes, args.data, args.fixture):
+        shape = name if mode == "random" else f"{name}/{mode}"  # the rows' label (random: as before run 20)
+        # bench.py's inputs (random: bit for bit the profiles of runs 7-19)
+        x, w, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=dt, device="cuda", seed=0,
+                                         sorted_vocab=args.sorted_vocab, fixture=args.fixture or None)
+        x.requires_grad_()
+        w.requires_grad_()
+        g = torch.Generator(device="cuda").manual_seed(1)
         start, ar = 0, 0.0
         if tp > 1:  # this rank's vocab rows; the floor gains one dX all-reduce
             start, end = flce_dist.vocab_shard(v, rank, tp)

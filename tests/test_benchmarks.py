@@ -214,10 +214,11 @@ def test_capture_from_dcp_checkpoint(tmp_path):
 
 
 def test_probe_scripts_import_and_wrap():
-    """benchmarks/event_probe.py and merge_probe.py import without a GPU (their CUDA work is in
+    """benchmarks/event_probe.py, merge_probe.py and kernel_profile.py import without a GPU (their CUDA work is in
     main); the event probe's bracket passes calls through while off and restores what it wrapped."""
     event_probe = pytest.importorskip("event_probe")
     merge_probe = pytest.importorskip("merge_probe")
+    pytest.importorskip("kernel_profile")  # imports without a GPU too (its data modes come from ab_flce.cases)
     assert all(bn & (bn - 1) == 0 and bt & (bt - 1) == 0 for bn, bt, _, _ in merge_probe.CANDIDATES)
 
     class Owner:

@@ -53,7 +53,7 @@ def three_matmuls(x: torch.Tensor, w: torch.Tensor, seed: int = 1) -> Callable[[
     matmuls back to back, ``y = x @ W.T`` [N, V], ``dX = dy @ W`` [N, H] (K = V) and
     ``dW = dy.T @ x`` [V, H] (K = N), into preallocated outputs. ``dy`` is a fixed random [N, V]
     tensor (N(0, 1) in x's dtype: not zeros, whose products draw less power; the loss's dz differs
-    in value, not in shape). Memory: three [N, V]-sized buffers' worth (y, dy) plus dX and dW."""
+    in value, not in shape). Memory: two [N, V] buffers (y, dy) plus dX and dW."""
     g = torch.Generator(device=x.device).manual_seed(seed)
     dy = torch.randn(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype, generator=g)
     y = torch.empty_like(dy)
@@ -72,8 +72,8 @@ def three_matmuls(x: torch.Tensor, w: torch.Tensor, seed: int = 1) -> Callable[[
 def energy_j(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> tuple[float, float, float] | None:
     """``(joules per call, ms per call, mean watts)`` of ``calls`` back-to-back calls of ``fn``, from
     NVML's total-energy counter of the board (mJ) read on an idle GPU before and after them; None
-    where NVML cannot be read (no ``pynvml``, no CUDA). The counter advances every few tens of ms:
-    give it a window of about a second. At the power cap (~690 W on the lent H200s, benchmarks/NOTES.md
+    where NVML cannot be read (no ``pynvml``, no CUDA). How often the counter advances is up to the
+    driver (not measured here): give it a window of about a second. At the power cap (~690 W on the lent H200s, benchmarks/NOTES.md
     run 19) time is energy over the cap, so J per call says what a variant costs where a kernel's time
     alone does not."""
     try:

@@ -407,3 +407,39 @@ def test_row_kernels_on_cuda(nt, n):
         b = token_rows_reference(stats, valid, bad, 1.0 - ls, ls / 1000, zl)
         torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5, equal_nan=True)
         assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+@pytest.mark.parametrize("n, h, v, data", [(2816, 4096, 128256, "random"), (1664, 2304, 262208, "realistic"),
+                                           (777, 1024, 50001, "random"), (1024, 4096, 151936, "realistic")])
+def test_target_dot_matches_the_store_pass_bitwise(n, h, v, data):
+    """On sm_90 the row-scale store pass leaves its target logits to kernels/target_dot.py: they must
+    be the pass's own bits (the loss and the accuracy output depend on it). The pass with its own
+    target compare (STORE_EXP) against the target_dot kernel, and launch.lse_forward's stats (the
+    shipped path) against the merge of the STORE_EXP partials, bit for bit, with the shipped configs."""
+    import sys
+    from pathlib import Path
+
+    from flce_dist import rowscale
+    from flce_dist.kernels import launch
+    from flce_dist.settings import Settings
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import data as bench_data
+
+    x, w, t = bench_data.make_inputs(n, h, v, mode=data, dtype=torch.bfloat16, device="cuda", seed=n)
+    tl = t.to(torch.int32)
+    tl[::9] = -1  # rows without a target in this shard
+    s = Settings()
+    r = rowscale.reference(x, w, 1.0)
+    z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
+    parts = launch._launch("lse_forward", (x, w, w.new_zeros(1), tl, z, r, 1.0, 0.0, False, launch.STORE_EXP, False,
+                                           False), x.device, x.dtype, s, "store", h)
+    block_h = launch.entry("lse_forward", x.device, x.dtype, "store", h, s)["block"]["block_h"]
+    yt = launch._launch("target_dot", (x, w, tl, 1.0), x.device, x.dtype, s, blocks={"block_h": block_h})
+    pass_t = parts[2].sum(0)
+    same = int((yt[0] == pass_t).sum())
+    assert same == n, f"{n - same} of {n} target logits differ (max {(yt[0] - pass_t).abs().max().item():.3e})"
+    z2 = torch.empty_like(z)
+    got = launch.lse_forward(x, w, None, tl, 1.0, 0.0, False, s, z_out=z2, exp_ref=r)
+    want = launch.merge(*parts, False, False, s)
+    assert torch.equal(got, want) and torch.equal(z2, z)

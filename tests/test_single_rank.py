@@ -831,6 +831,38 @@ def test_launch_refuses_one_tensor_in_two_arguments():
     assert (t == 2.0).all()
 
 
+def test_target_dot_and_the_pass_without_targets():
+    """kernels/target_dot.py (reference mode, several token tiles, a partial last one, rows without a
+    local target) against its torch form and against the store pass's own target logits; the pass
+    with store == STORE_EXP_NT gives the same maxima, sums and stored exponentials as STORE_EXP and
+    no per-tile target partials (one unwritten row)."""
+    from flce_dist import rowscale
+    from flce_dist.kernels import launch
+    from flce_dist.kernels.lse_forward import lse_forward_partials
+    from flce_dist.kernels.target_dot import target_dot_reference
+
+    g = torch.Generator().manual_seed(41)
+    n, h, v = 37, 24, 300
+    x = torch.randn(n, h, generator=g, dtype=torch.float64).float()
+    w = torch.randn(v, h, generator=g, dtype=torch.float64).float() * 0.7
+    t = torch.randint(0, v, (n,), generator=g).to(torch.int32)
+    t[::6] = -1
+    s = settings.Settings(blocks={"target_dot": {"block_n": 16, "block_h": 8}})
+    got = launch._launch("target_dot", (x, w, t, 0.75), x.device, x.dtype, s)
+    want = target_dot_reference(x, w, t, 0.75)
+    assert got.shape == (1, n) and (got[0, t < 0] == 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    r = rowscale.reference(x, w, 0.75)
+    z2, z3 = torch.empty(n, v), torch.empty(n, v)
+    tail = (r, 0.75, 0.0, False)
+    blocks = (16, 128, 8)
+    p2 = lse_forward_partials(x, w, w.new_zeros(1), t, z2, *tail, launch.STORE_EXP, False, False, *blocks)
+    p3 = lse_forward_partials(x, w, w.new_zeros(1), t, z3, *tail, launch.STORE_EXP_NT, False, False, *blocks)
+    assert torch.equal(p2[0], p3[0]) and torch.equal(p2[1], p3[1]) and torch.equal(z2, z3)
+    assert p2[2].shape[0] == 3 and p3[2].shape == (1, n)
+    torch.testing.assert_close(got[0], p2[2].sum(0), rtol=1e-5, atol=1e-5)  # the pass's own target logits
+
+
 @pytest.mark.parametrize("tgt_rows", ["tiles", "one"])
 def test_merge_kernel_matches_torch(tgt_rows):
     """kernels/merge.py (reference mode, several token and tile blocks, a partial last block) against

@@ -11,8 +11,9 @@ Entry points (each falls back to its kernel file's torch reference where the ker
 
     logits(x, w, bias, out)          cuBLAS x @ w.T (+ bias)
     lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out, or
-                                     their exponentials against exp_ref); [N, 5] with_ent (5th
-                                     column: the shard's softmax entropy)
+                                     their exponentials against exp_ref: on sm_90 with the target
+                                     logits from target_dot); [N, 5] with_ent (5th column: the
+                                     shard's softmax entropy)
     chunk_stats(z, tl, ...)          [Nc, 4] (or [Nc, 5]) stats of a materialised chunk
     chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits (with mu, gh: plus the
                                      entropy's gradient)
@@ -42,7 +43,9 @@ import torch
 from ..chunking import chunk_rows
 from ..settings import Settings
 
-STORE_NONE, STORE_LOGITS, STORE_EXP = 0, 1, 2  # lse_forward's ``store`` constexpr (literals in the kernel)
+# lse_forward's ``store`` constexpr (literals in the kernel); STORE_EXP_NT: STORE_EXP without the target
+# logits, which kernels/target_dot.py then gives bit for bit (sm_90: run 20)
+STORE_NONE, STORE_LOGITS, STORE_EXP, STORE_EXP_NT = 0, 1, 2, 3
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "helion"
 
@@ -76,6 +79,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "dz_gated": {"block": {"block_n": 128, "block_v": 256, "block_h": 64},
                  "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8],
                             "pid_type": "persistent_interleaved"}},
+    # the row-scale pass's target logits: 64 programs at a 8192-row call; block_h is always the store
+    # pass's own (the bits depend on it), set by lse_forward below
+    "target_dot": {"block": {"block_n": 128, "block_h": 64}, "config": {"num_warps": 8, "num_stages": 3}},
 }
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "lse_forward": {"block": {"block_n": 512, "block_v": 4096, "block_h": 4096}, "config": {}},
@@ -89,13 +95,14 @@ CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "row_prepare": {"block": {"block_n": 4096}, "config": {}},
     "target_rows": {"block": {"block_n": 1 << 16}, "config": {}},
     "token_rows": {"block": {"block_n": 1 << 16}, "config": {}},
+    "target_dot": {"block": {"block_n": 512, "block_h": 4096}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
 BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_s", "block_v"),
                "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h"), "scale": ("block",),
                "dz_gated": ("block_n", "block_v", "block_h"), "row_scale": ("block_n", "block_h"),
                "merge": ("block_n", "block_t"), "row_prepare": ("block_n",),
-               "target_rows": ("block_n",), "token_rows": ("block_n",)}
+               "target_rows": ("block_n",), "token_rows": ("block_n",), "target_dot": ("block_n", "block_h")}
 
 
 def arch_of(device: torch.device) -> str:
@@ -150,8 +157,10 @@ def _kernels() -> dict[str, Any]:
     from .token_loss import token_rows
     from .row_scale import row_scale
     from .scale import scale_
+    from .target_dot import target_dot
 
-    return {"lse_forward": lse_forward_partials, "chunk_stats": chunk_stats_partials, "chunk_grad": chunk_grad_,
+    return {"lse_forward": lse_forward_partials, "target_dot": target_dot, "chunk_stats": chunk_stats_partials,
+            "chunk_grad": chunk_grad_,
             "masked_mm": masked_mm, "scale": scale_, "dz_gated": dz_gated, "row_scale": row_scale,
             "merge": merge_stats, "row_prepare": row_prepare, "target_rows": target_rows, "token_rows": token_rows}
 
@@ -245,9 +254,18 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     b = bias if bias is not None else w.new_zeros(1)
     zo = z_out if z_out is not None else x.new_empty(1, 1)
     ref = exp_ref if exp_ref is not None else x.new_zeros(1, dtype=torch.float32)
+    # on sm_90 the row-scale pass leaves its target logits to kernels/target_dot.py (the same bits,
+    # without a compare per element); elsewhere (other GPUs, reference mode) the pass finds them itself
+    nt = store == STORE_EXP and arch_of(x.device) == "h200"
+    variant = "store" if z_out is not None else ""
     parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, float(scale), float(softcap),
-                                    bool(bias is not None), store, bool(with_sum), bool(with_ent)),
-                    x.device, x.dtype, settings, "store" if z_out is not None else "", x.shape[1])
+                                    bool(bias is not None), STORE_EXP_NT if nt else store, bool(with_sum),
+                                    bool(with_ent)), x.device, x.dtype, settings, variant, x.shape[1])
+    if nt:
+        block_h = entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"]
+        ptgt = _launch("target_dot", (x, w, target_local, float(scale)), x.device, x.dtype, settings,
+                       blocks={"block_h": block_h})
+        parts = (parts[0], parts[1], ptgt, parts[3], parts[4])
     return merge(*parts, with_sum, with_ent, settings)
 
 

@@ -1,0 +1,67 @@
+"""The row-scale store pass's target logits from their own launch, bit for bit the pass's.
+
+The store pass (``lse_forward.py``, store == 2) would otherwise find each row's target logit by
+comparing every column index of every tile with the row's target: an int compare, a select and an
+add per element, 0.1-0.5 ms of a fused fwd+bwd (benchmarks/NOTES.md, run 20: ``epilogue_probe.py``
+part 9, faster in 9 of 9 A/B pairs at llama3, qwen3 and gemma). Here each token tile's rows meet
+their gathered target rows of W:
+
+    for each token tile n                                   # ceil(N / BN) programs
+        acc[BN, BN] = sum over H tiles h of x[n, h] @ W[t[n], h].T   # the pass's K blocks, in its
+                                                            # order, float32 from zero
+        y_t[n] = round(acc[i, i], dtype of x) * scale       # the diagonal: each row with its target
+                 (0 where the row has no target in this shard)
+
+On the H200 (sm_90, wgmma) the diagonal equals the pass's target logit bit for bit when ``block_h``
+is the pass's: every output element of a tensor-core dot is the same sequence of products and adds,
+whatever the tile's width (run 20: 8960 of 8960 rows at llama3 and gemma, random and realistic;
+``tests/test_gpu.py`` checks it at three shapes). So the loss and the accuracy output are unchanged.
+``launch.lse_forward`` uses it on sm_90 only, where this was checked; other GPUs and reference mode
+(CPU, whose matmul blocking may round a [BN, BN] product apart from the pass's [BN, BV] one) keep the
+pass's own compare. Extra work: BN times the dot products needed, 2 N BN H flop (8.6 GFLOP at
+N = 8192, H = 4096, BN = 128) and one read of x and of the N gathered rows of W.
+
+Shapes: x [N, H], w [V, H], target_local [N] int32 (-1: not in this shard); returns ptgt [1, N]
+float32 (a one-row target partial, which ``launch.merge`` sums on its own).
+"""
+
+from __future__ import annotations
+
+import helion
+import helion.language as hl
+import torch
+
+from .common import SETTINGS
+
+
+@helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
+def target_dot(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    target_local: torch.Tensor,
+    scale: float,
+    block_n: hl.constexpr,
+    block_h: hl.constexpr,
+) -> torch.Tensor:
+    n, h = x.size()
+    out = torch.empty([1, n], dtype=torch.float32, device=x.device)
+    for tile_n in hl.tile(n, block_size=block_n):
+        t = target_local[tile_n]
+        tc = torch.where(t >= 0, t, 0)
+        acc = hl.zeros([tile_n, tile_n], dtype=torch.float32)
+        for tile_h in hl.tile(h, block_size=block_h):
+            acc = hl.dot(x[tile_n, tile_h], w[tc, tile_h].T, acc=acc)
+        zq = acc.to(x.dtype).to(torch.float32) * scale
+        diag = tile_n.index[:, None] == tile_n.index[None, :]
+        yt = torch.sum(torch.where(diag, zq, 0.0), dim=1)
+        out[0, tile_n] = torch.where(t >= 0, yt, 0.0)
+    return out
+
+
+def target_dot_reference(x: torch.Tensor, w: torch.Tensor, target_local: torch.Tensor, scale: float) -> torch.Tensor:
+    """The kernel's math in torch: [1, N] target logits (rounded to x's dtype, times ``scale``), 0
+    where ``target_local`` < 0."""
+    has = target_local >= 0
+    wt = w[torch.where(has, target_local, 0).long()]
+    y = (x.to(torch.float32) * wt.to(torch.float32)).sum(1).to(x.dtype).to(torch.float32) * scale
+    return torch.where(has, y, torch.zeros_like(y))[None]

@@ -26,7 +26,10 @@ at N = 8192, steady back to back, against the bare cuBLAS matmul of the same run
             (``target_dot``: each row's dot with its gathered target row, the pass's K blocks and
             order). Exact only if those bits equal the pass's: the probe counts the rows that do
 
-Parts 0-3 write partials that keep the loss finite and the row-scale gate closed (pmax = r), so the
+Since 24bd433 ``launch.lse_forward`` on sm_90 runs the pass with ``store == STORE_EXP_NT`` and takes
+the target logits from ``kernels/target_dot.py``: the "shipped kernel" row is that path, and every
+part (which ignores ``store``) is followed by that launch too (~0.02 ms per chunk; part 9's own
+target_dot then runs twice). Parts 0-3 write partials that keep the loss finite and the row-scale gate closed (pmax = r), so the
 loss's other kernels do the same work as with the shipped one; their loss values are wrong, only
 their times are read. Parts 4 and 5 give the loss's own statistics (4: unless exp(y - r) overflows,
 which a real change would have to catch). The floor is printed two ways: 3 x the bare ``x @ W.T``

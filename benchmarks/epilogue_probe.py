@@ -23,8 +23,9 @@ at N = 8192, steady back to back, against the bare cuBLAS matmul of the same run
     part 8  part 7 without the kernel's own ``where(valid, y, -inf)`` (Helion masks the reductions
             over a ragged last tile itself, and drops the masks where the tile divides V)
     part 9  part 5 without the target compare; the target logits from their own small launch
-            (``target_dot``: each row's dot with its gathered target row, the pass's K blocks and
-            order). Exact only if those bits equal the pass's: the probe counts the rows that do
+            (``kernels/target_dot.py``: each row's dot with its gathered target row, the pass's K
+            blocks and order). Exact only if those bits equal the pass's: the probe counts the rows
+            that do (run 20: all; shipped since 24bd433)
 
 Since 24bd433 ``launch.lse_forward`` on sm_90 runs the pass with ``store == STORE_EXP_NT`` and takes
 the target logits from ``kernels/target_dot.py``: the "shipped kernel" row is that path, and every
@@ -211,45 +212,12 @@ def probe_partials(
     return pmax, psum, ptgt, psumy, pent
 
 
-@helion.kernel(static_shapes=True, dot_precision="ieee", **SETTINGS)
-def target_dot(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    target_local: torch.Tensor,
-    scale: float,
-    block_n: hl.constexpr,
-    block_h: hl.constexpr,
-) -> torch.Tensor:
-    """ptgt [1, N]: each row's target logit (0 without a local target) as its own [BN, BN] dot of
-    x's rows with the gathered target rows of W, the diagonal kept: the same K blocks, in the same
-    order, into a float32 accumulator from zero, as the store pass's tile that holds the target.
-    Whether that gives the pass's bits is what part 9 checks on the GPU."""
-    n, h = x.size()
-    out = torch.empty([1, n], dtype=torch.float32, device=x.device)
-    for tile_n in hl.tile(n, block_size=block_n):
-        t = target_local[tile_n]
-        tc = torch.where(t >= 0, t, 0)
-        acc = hl.zeros([tile_n, tile_n], dtype=torch.float32)
-        for tile_h in hl.tile(h, block_size=block_h):
-            acc = hl.dot(x[tile_n, tile_h], w[tc, tile_h].T, acc=acc)
-        zq = acc.to(x.dtype).to(torch.float32) * scale
-        diag = tile_n.index[:, None] == tile_n.index[None, :]
-        yt = torch.sum(torch.where(diag, zq, 0.0), dim=1)
-        out[0, tile_n] = torch.where(t >= 0, yt, 0.0)
-    return out
-
-
-_TD_CONFIG = {"num_warps": 8, "num_stages": 3}  # by hand (a probe): 128-row tiles, the pass's 64-deep K steps
-
-
 def target_rows_dot(x: torch.Tensor, w: torch.Tensor, tl: torch.Tensor, scale: float, block_h: int = 64,
                     block_n: int = 128) -> torch.Tensor:
-    """``target_dot`` bound with a fixed config (never autotuned); CPU: reference mode."""
-    args = (x, w, tl, float(scale), block_n, block_h)
-    b = target_dot.bind(args)
-    if x.is_cuda:
-        b.set_config(helion.Config(**_TD_CONFIG))
-    return b(*args)
+    """[1, N] target logits from ``kernels/target_dot.py`` (shipped since 24bd433; part 9 came first)
+    with the given blocks, through the launcher (never autotuned)."""
+    return launch._launch("target_dot", (x, w, tl, float(scale)), x.device, x.dtype, current(),
+                          blocks={"block_h": block_h, "block_n": block_n})
 
 
 class _Variant:

@@ -92,11 +92,13 @@ def lse_forward_partials(
         m_ref = torch.where(m > float("-inf"), m, 0.0)  # a tile of -inf logits (e.g. a -inf bias on padded rows)
         e_ym = torch.exp2(ym * LOG2E - (m_ref * LOG2E)[:, None])  # exp(ym - m): kernels/common.py
         s = torch.sum(e_ym, dim=1)
-        pmax[tile_v.id, tile_n] = m
-        psum[tile_v.id, tile_n] = s
         if store != 3:  # launch.STORE_EXP_NT leaves the target logits to kernels/target_dot.py
             hit = tile_v.index[None, :] == target_local[tile_n][:, None]
-            ptgt[tile_v.id, tile_n] = torch.sum(torch.where(hit, y, 0.0), dim=1)
+            t = torch.sum(torch.where(hit, y, 0.0), dim=1)
+        pmax[tile_v.id, tile_n] = m
+        psum[tile_v.id, tile_n] = s
+        if store != 3:
+            ptgt[tile_v.id, tile_n] = t
         if with_sum:
             psumy[tile_v.id, tile_n] = torch.sum(torch.where(valid, y, 0.0), dim=1)
         if with_ent:

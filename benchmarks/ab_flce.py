@@ -45,14 +45,6 @@ def inputs(n: int, h: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torch.T
     return x, w, torch.randint(0, v, (n,), device="cuda", generator=g)
 
 
-def cases(shapes: str, data: list[str], fixture: str = "") -> list[tuple[str, str, int, int]]:
-    """``(shape, data mode, H, V)`` per case, as bench.py lists them (``trained``: the fixture's H, V)."""
-    out = [(name, d, *SHAPES[name]) for name in shapes.split(",") for d in data if d != "trained"]
-    if "trained" in data:
-        out.append(("trained", "trained", *bench_data.fixture_shape(fixture)))
-    return out
-
-
 def case_inputs(n: int, h: int, v: int, mode: str, sorted_vocab: bool = False,
                 fixture: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``random``: :func:`inputs` (every A/B since run 13, bit for bit); the other modes from
@@ -78,7 +70,7 @@ def main() -> None:
     bench_data.check_data_args(ap, args)
     forms = [f for f in args.grad_forms.split(",") if f]
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
-    for shape, mode, h, v in cases(args.shapes, args.data, args.fixture):
+    for shape, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
         x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)
         name = f"{shape:7} {mode:9}"
 

@@ -135,15 +135,8 @@ def csv_suffix(modes: list[str]) -> str:
 
 
 def cases(args) -> list[tuple[str, str, int, int]]:
-    """(shape name, data mode, H, V) in run order: per shape, each data mode; ``trained`` runs once
-    at the fixture's own H and V."""
-    out = []
-    for name in args.shapes.split(","):
-        h, v = SHAPES[name]
-        out += [(name, d, h, v) for d in args.data if d != "trained"]
-    if "trained" in args.data:
-        out.append(("trained", "trained", *bench_data.fixture_shape(args.fixture)))
-    return out
+    """(shape name, data mode, H, V) in run order (``data.cases`` of the parsed arguments)."""
+    return bench_data.cases(args.shapes, args.data, SHAPES, args.fixture)
 
 
 def describe_cols(x, w, t) -> dict:

@@ -285,9 +285,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             rl[name] = fn
             notes[name] = why
-    cases = [(name, d, *RL_SHAPES[name]) for name in args.shapes.split(",") for d in args.data if d != "trained"]
-    if "trained" in args.data:
-        cases.append(("trained", "trained", *bench_data.fixture_shape(args.fixture)))
+    cases = bench_data.cases(args.shapes, args.data, RL_SHAPES, args.fixture)
     rows = []
     for ci, (name, mode, h, v) in enumerate(cases):
         s, e = vocab_shard(v, rank, p)

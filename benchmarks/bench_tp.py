@@ -152,10 +152,7 @@ def main():
             print("liger unavailable:", e)
             impls.remove("liger_vp")
     rows = []
-    cases = [(name, d, *SHAPES[name]) for name in args.shapes.split(",") for d in args.data if d != "trained"]
-    if "trained" in args.data:
-        cases.append(("trained", "trained", *bench_data.fixture_shape(args.fixture)))
-    for name, mode, h, v in cases:
+    for name, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
         s, e = vocab_shard(v, rank, p)
         # every rank builds the same full inputs (random: the pre-data-mode generator calls, bit for bit)
         xf, wf, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=torch.bfloat16, device="cuda", seed=0,

@@ -176,6 +176,16 @@ def load_fixture(path, n: int, h: int | None = None, v: int | None = None, *, dt
             t[idx].to(device))
 
 
+def cases(shapes: str, data: list[str], table: dict[str, tuple[int, int]],
+          fixture: str | Path | None = None) -> list[tuple[str, str, int, int]]:
+    """``(shape name, data mode, H, V)`` in run order: per shape of the comma list ``shapes``
+    (``table``: name -> (H, V)), each data mode; ``trained`` runs once at the fixture's own H and V."""
+    out = [(name, d, *table[name]) for name in shapes.split(",") for d in data if d != "trained"]
+    if "trained" in data:
+        out.append(("trained", "trained", *fixture_shape(fixture)))
+    return out
+
+
 def fixture_shape(path) -> tuple[int, int]:
     """(H, V) of a fixture."""
     blob = torch.load(path, map_location="cpu", weights_only=True)

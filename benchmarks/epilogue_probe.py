@@ -53,7 +53,7 @@ import torch
 
 import flce_dist
 from flce_dist import core, rowscale
-from flce_dist._timing import cuda_steady_ms, energy_j, three_matmuls
+from flce_dist._timing import SHAPES, cuda_steady_ms, energy_j, three_matmuls
 from flce_dist.kernels import launch
 from flce_dist.kernels.common import LOG2E, SETTINGS
 from flce_dist.options import FLCEParams, LossOptions
@@ -61,7 +61,7 @@ from flce_dist.settings import current
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
 import data as bench_data  # noqa: E402
-from ab_flce import case_inputs, cases  # noqa: E402
+from ab_flce import case_inputs  # noqa: E402
 
 NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store", 7: "shipped, target per tile", 8: "7 without the valid mask", 9: "5, target by its own dot"}
 
@@ -264,7 +264,7 @@ def main() -> None:
     shipped = kernels["lse_forward"]
     s = current()
     rows = []
-    for shape, mode, h, v in cases(a.shapes, a.data, a.fixture):
+    for shape, mode, h, v in bench_data.cases(a.shapes, a.data, SHAPES, a.fixture):
         x, w, t = case_inputs(a.n, h, v, mode, a.sorted_vocab, a.fixture)  # random: ab_flce.py's inputs
         name = f"{shape}/{mode}"
         p = FLCEParams(0, v, LossOptions(), s)

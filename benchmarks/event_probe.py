@@ -27,11 +27,11 @@ from collections import defaultdict
 
 import torch
 import data as bench_data  # benchmarks/ (the script's own directory)
-from ab_flce import case_inputs, cases
+from ab_flce import case_inputs
 
 import flce_dist
 from flce_dist import rowscale
-from flce_dist._timing import cuda_steady_ms
+from flce_dist._timing import SHAPES, cuda_steady_ms
 from flce_dist.kernels import launch
 
 
@@ -160,7 +160,7 @@ def main() -> None:
     br.wrap(rowscale, "prepare_", "rowscale.prepare_")
     report = []
     try:
-        for name, mode, h, v in cases(args.shapes, args.data, args.fixture):
+        for name, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
             x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)  # ab_flce.py's inputs
             xd, wd = x.detach(), w.detach()
 

@@ -37,11 +37,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist._timing import DTYPES, cuda_steady_ms, cuda_time_ms, write_csv  # noqa: E402
+from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms, write_csv  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
 import data as bench_data  # noqa: E402
-from ab_flce import cases  # noqa: E402
 
 CLASSES = [("matmul (cuBLAS)", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_", re.I)),
            ("lse_forward (Helion)", re.compile(r"lse_forward", re.I)),
@@ -79,7 +78,7 @@ def main() -> None:
         group = dist.group.WORLD
     dt = DTYPES[args.dtype]
     nmm = 3 if args.mode == "fb" else 1
-    for name, mode, h, v in cases(args.shapes, args.data, args.fixture):
+    for name, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
         shape = name if mode == "random" else f"{name}/{mode}"  # the rows' label (random: as before run 20)
         # bench.py's inputs (random: bit for bit the profiles of runs 7-19)
         x, w, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=dt, device="cuda", seed=0,

@@ -218,7 +218,7 @@ def test_probe_scripts_import_and_wrap():
     main); the event probe's bracket passes calls through while off and restores what it wrapped."""
     event_probe = pytest.importorskip("event_probe")
     merge_probe = pytest.importorskip("merge_probe")
-    pytest.importorskip("kernel_profile")  # imports without a GPU too (its data modes come from ab_flce.cases)
+    pytest.importorskip("kernel_profile")  # imports without a GPU too (its cases come from data.cases)
     assert all(bn & (bn - 1) == 0 and bt & (bt - 1) == 0 for bn, bt, _, _ in merge_probe.CANDIDATES)
 
     class Owner:
@@ -302,15 +302,16 @@ def test_epilogue_probe_parts_and_three_matmuls():
         assert energy_j(lambda: calls.append(1), calls=3) is None and not calls
 
 
-def test_ab_flce_cases_by_data_mode(tmp_path):
-    """ab_flce.py (and the probes that share its inputs) list one case per (shape, data mode), as
-    bench.py does; ``trained`` runs at the fixture's own H and V."""
-    ab = pytest.importorskip("ab_flce")
-    assert ab.cases("llama3,gemma", ["random", "realistic"]) == [
+def test_cases_by_data_mode(tmp_path):
+    """data.cases, which every benchmark and probe lists its runs with: one case per (shape, data
+    mode), ``trained`` at the fixture's own H and V."""
+    from flce_dist._timing import SHAPES
+
+    assert bench_data.cases("llama3,gemma", ["random", "realistic"], SHAPES) == [
         ("llama3", "random", 4096, 128256), ("llama3", "realistic", 4096, 128256),
         ("gemma", "random", 2304, 262208), ("gemma", "realistic", 2304, 262208)]
     fx = tmp_path / "fx.pt"
     torch.save({"hidden": torch.zeros(4, 24, dtype=torch.bfloat16), "weight": torch.zeros(77, 24, dtype=torch.bfloat16),
                 "target": torch.zeros(4, dtype=torch.int64)}, fx)
-    assert ab.cases("qwen3", ["random", "trained"], str(fx)) == [("qwen3", "random", 4096, 151936),
+    assert bench_data.cases("qwen3", ["random", "trained"], SHAPES, str(fx)) == [("qwen3", "random", 4096, 151936),
                                                                   ("trained", "trained", 24, 77)]

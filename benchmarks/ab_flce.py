@@ -10,7 +10,9 @@ at N=8192 bf16, per data mode (``--data``, default ``random,realistic``: ``rando
 ``torch.no_grad()`` and the bare cuBLAS matmul ``x @ W.T`` in the same process, then prints one line
 per shape and data mode: ms, ratio to three matmuls (fwd+bwd) and to one (forward), and the ratio to the layer's three
 distinct matmuls run back to back (``_timing.three_matmuls``: x @ W.T, dy @ W, dy.T @ x), with the
-energy per call of both where NVML can be read (``_timing.energy_j``). Run it
+energy per call of both where NVML can be read (``_timing.energy_j``), and the ratio to the same three
+matmuls as the loss's own token chunks issue them (``_timing.chunked_matmuls`` at ``core.fused_plan``'s
+rows: what the 1 GiB chunk plan leaves to the Helion passes and small kernels). Run it
 for both trees in one device call and compare the ratios (the matmul normalises machine drift).
 """
 
@@ -31,6 +33,10 @@ try:  # the three distinct matmuls and NVML energy (not in the _timing.py of tre
     from flce_dist._timing import energy_j, three_matmuls  # noqa: E402
 except ImportError:
     energy_j = three_matmuls = None
+try:  # the chunk plan's cuBLAS work alone (run 21)
+    from flce_dist._timing import chunked_matmuls  # noqa: E402
+except ImportError:
+    chunked_matmuls = None
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: data.py
@@ -80,6 +86,15 @@ def main() -> None:
             floor3 = three_matmuls(x.detach(), w.detach())
             mm3, e3 = cuda_steady_ms(floor3, args.reps), energy_j(floor3)
             del floor3
+        mmc, rows = float("nan"), 0
+        if chunked_matmuls:
+            from flce_dist import core
+            from flce_dist.options import FLCEParams, LossOptions
+
+            rows = core.fused_plan(args.n, x, FLCEParams(0, v, LossOptions(), flce_dist.settings.current()), None, False)
+            floorc = chunked_matmuls(x.detach(), w.detach(), rows)
+            mmc = cuda_steady_ms(floorc, args.reps)
+            del floorc
         torch.cuda.empty_cache()
         for form in forms * 2 or [None]:
             ctx = flce_dist.settings.override(grad_form=form) if form else contextlib.nullcontext()
@@ -95,6 +110,8 @@ def main() -> None:
                     fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
             print(f"[{tag}] {name} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
                   f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm  3 distinct {mm3:6.2f} ms {ms / mm3:.3f}x"
+                  + (f"  chunked ({rows} rows) {mmc:6.2f} ms {mmc / mm3:.3f}x 3 distinct, flce {ms / mmc:.3f}x"
+                     if rows else "")
                   + (f"  energy {ej[0]:.2f} J = {ej[0] / e3[0]:.3f}x the 3 distinct matmuls' ({ej[2]:.0f} vs {e3[2]:.0f} W)"
                      if ej else ""), flush=True)
         if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)

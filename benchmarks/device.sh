@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab gradab gradbench eventprobe epiprobe mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab gradab gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -35,6 +35,8 @@ for w in ${*:-tests bench}; do
     mergeprobe) timeout 150 python3 benchmarks/merge_probe.py --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/merge_probe.log" | tail -14; cp configs/helion/h200.json "$OUT/" ;;  # the partial merge's config (writes the winner)
     epiprobe) timeout ${PROBE_TIMEOUT:-560} python3 benchmarks/epilogue_probe.py --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} ${PROBE_ARGS:-} 2>&1 | flt > "$OUT/epilogue_probe.log"  # run 20: the store pass's epilogue, part by part
               grep -q "=== epilogue_probe summary" "$OUT/epilogue_probe.log" && sed -n '/=== epilogue_probe summary/,$p' "$OUT/epilogue_probe.log" || tail -20 "$OUT/epilogue_probe.log" ;;
+    optrace) timeout 200 python3 benchmarks/op_trace.py --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random} 2>&1 | flt > "$OUT/op_trace.log"  # run 21: the small ops and kernels of one call, by name
+             grep "===\|CUDA kernels of one call" "$OUT/op_trace.log" ;;
     launchprobe) timeout 120 python3 benchmarks/launch_probe.py 2>&1 | flt | tee "$OUT/launch_probe.log" | tail -2 ;;  # where the profile's "idle" goes
     scaleprobe) timeout 90 python3 benchmarks/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
     tunechunk) timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}; cp configs/helion/h200.json "$OUT/" ;;

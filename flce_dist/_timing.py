@@ -69,6 +69,36 @@ def three_matmuls(x: torch.Tensor, w: torch.Tensor, seed: int = 1) -> Callable[[
     return run
 
 
+def chunked_matmuls(x: torch.Tensor, w: torch.Tensor, rows: int) -> Callable[[], object]:
+    """The fused strategy's cuBLAS work alone, as its token chunks issue it (``core.py``'s row-scale
+    form, no Helion kernel, no small op): per chunk of ``rows`` rows, ``E = x_c @ W.T`` into the one
+    [rows, V] chunk buffer, ``dX_c = E @ W`` with a float32 output, and ``dW = E.T @ x_c`` (the first
+    chunk writes dW, later chunks ``addmm_`` into it). What the 1 GiB chunk plan costs over
+    :func:`three_matmuls` (thin chunks, W re-read per chunk, dW read-modify-written) is the difference
+    of the two; what the loss costs over this is its Helion passes and small kernels. ``E`` holds the
+    chunk's logits here (random-like values, not the loss's exponentials)."""
+    n, v = x.shape[0], w.shape[0]
+    if not 0 < rows:
+        raise ValueError(f"rows must be positive, got {rows}")
+    buf = torch.empty(min(rows, n), v, device=x.device, dtype=x.dtype)
+    dw = torch.empty_like(w)
+
+    def run() -> None:
+        for i, s in enumerate(range(0, n, rows)):
+            xc = x[s:s + rows]
+            e = buf[:xc.shape[0]]
+            torch.mm(xc, w.T, out=e)
+            # float32 out, as the loss's (whose row_scale then reads it); the CPU has no mm.dtype (tests)
+            torch.mm(e, w, out_dtype=torch.float32) if e.is_cuda else torch.mm(e, w).float()
+            if i == 0:
+                torch.mm(e.T, xc, out=dw)
+            else:
+                dw.addmm_(e.T, xc)
+
+    run.buffers = (buf, dw)  # type: ignore[attr-defined]  (for tests)
+    return run
+
+
 def energy_j(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> tuple[float, float, float] | None:
     """``(joules per call, ms per call, mean watts)`` of ``calls`` back-to-back calls of ``fn``, from
     NVML's total-energy counter of the board (mJ) read on an idle GPU before and after them; None

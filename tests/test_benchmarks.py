@@ -302,6 +302,52 @@ def test_epilogue_probe_parts_and_three_matmuls():
         assert energy_j(lambda: calls.append(1), calls=3) is None and not calls
 
 
+def test_op_trace_names_the_small_ops():
+    """benchmarks/op_trace.py on the CPU (reference mode): the Helion launches of one fused call are
+    marked in order, the torch ops outside them are counted apart from those their host code runs,
+    and ``_launch`` is restored afterwards."""
+    import flce_dist
+    from flce_dist.kernels import launch
+
+    op_trace = pytest.importorskip("op_trace")
+    flce_dist.setup_reference_mode()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(33, 16, generator=g) * 0.3).bfloat16().requires_grad_()
+    t = torch.randint(0, 33, (70,), generator=g)
+    real = launch._launch
+    log = op_trace.OpLog()
+    op_trace.trace(lambda: flce_dist.fused_linear_cross_entropy(x, w, t).backward(), log)
+    assert launch._launch is real and w.grad is not None
+    order = log.order
+    assert "[target_rows]" in order and "[lse_forward]" in order
+    assert order.index("[target_rows]") < order.index("[lse_forward]")
+    inside = {where for where, _ in log.counts if where}
+    assert "lse_forward" in inside  # reference mode runs the kernel body as torch ops: listed under its name
+    assert sum(c for (where, _), c in log.counts.items() if not where) == sum(1 for o in order if not o.startswith("["))
+    assert op_trace.cuda_kernels(lambda: None) == [] or torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("n,rows", [(301, 128), (128, 128), (77, 200)])
+def test_chunked_matmuls_is_the_chunked_product(n, rows):
+    """``_timing.chunked_matmuls`` (the fused plan's cuBLAS work alone): its dW is the sum over the
+    token chunks of E_c.T x_c with E_c = x_c W.T, the last chunk's logits are left in the buffer,
+    and every chunk is visited (an uneven tail included)."""
+    from flce_dist._timing import chunked_matmuls
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 24, generator=g, dtype=torch.float64)
+    w = torch.randn(37, 24, generator=g, dtype=torch.float64)
+    run = chunked_matmuls(x, w, rows)
+    run()
+    buf, dw = run.buffers
+    torch.testing.assert_close(dw, (x @ w.T).T @ x)
+    last = x[(n - 1) // rows * rows:]
+    torch.testing.assert_close(buf[:last.shape[0]], last @ w.T)
+    with pytest.raises(ValueError, match="rows"):
+        chunked_matmuls(x, w, 0)
+
+
 def test_cases_by_data_mode(tmp_path):
     """data.cases, which every benchmark and probe lists its runs with: one case per (shape, data
     mode), ``trained`` at the fixture's own H and V."""

@@ -12,7 +12,8 @@ per shape and data mode: ms, ratio to three matmuls (fwd+bwd) and to one (forwar
 distinct matmuls run back to back (``_timing.three_matmuls``: x @ W.T, dy @ W, dy.T @ x), with the
 energy per call of both where NVML can be read (``_timing.energy_j``), and the ratio to the same three
 matmuls as the loss's own token chunks issue them (``_timing.chunked_matmuls`` at ``core.fused_plan``'s
-rows: what the 1 GiB chunk plan leaves to the Helion passes and small kernels). Run it
+rows: what the 1 GiB chunk plan leaves to the Helion passes and small kernels), and the call's peak memory
+beyond its returned gradients. ``FLCE_CHUNK_MB`` (``Settings.from_env``) sets another chunk budget. Run it
 for both trees in one device call and compare the ratios (the matmul normalises machine drift).
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 import flce_dist  # noqa: E402  (the first on PYTHONPATH: the tree under test)
-from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms  # noqa: E402
+from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms, peak_gib  # noqa: E402
 
 try:  # the three distinct matmuls and NVML energy (not in the _timing.py of trees before run 20)
     from flce_dist._timing import energy_j, three_matmuls  # noqa: E402
@@ -106,12 +107,14 @@ def main() -> None:
 
                 ms = cuda_steady_ms(step, args.reps)
                 ej = energy_j(step) if e3 else None
+                grads = (x.numel() * x.element_size() + w.numel() * w.element_size()) / 2**30
+                extra = peak_gib(step, x, w) - grads  # the peak beyond the returned gradients
                 with torch.no_grad():
                     fwd = cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), args.reps)
             print(f"[{tag}] {name} flce {ms:7.2f} ms  matmul {mm:6.2f} ms  {ms / (3 * mm):.3f}x 3mm"
                   f"  fwd {fwd:6.2f} ms {fwd / mm:.3f}x 1mm  3 distinct {mm3:6.2f} ms {ms / mm3:.3f}x"
                   + (f"  chunked ({rows} rows) {mmc:6.2f} ms {mmc / mm3:.3f}x 3 distinct, flce {ms / mmc:.3f}x"
-                     if rows else "")
+                     if rows else "") + f"  extra {extra:.2f} GiB"
                   + (f"  energy {ej[0]:.2f} J = {ej[0] / e3[0]:.3f}x the 3 distinct matmuls' ({ej[2]:.0f} vs {e3[2]:.0f} W)"
                      if ej else ""), flush=True)
         if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)

@@ -61,6 +61,9 @@ def _impls():
         return run
 
     impls = {"flce": flce("auto"), "flce_cublas": flce("auto", "cublas"), "flce_recompute": flce("recompute")}
+    # one chunk of all N rows (a 4200 MiB budget): at N = 8192, 2.1 / 2.5 / 4.1 GiB beyond the gradients at
+    # llama3 / qwen3 / gemma, about what QuACK keeps (1.96 / 2.32 / 4.25 GiB, run 20): the same memory
+    impls["flce_onechunk"] = flce("auto", chunk_bytes=4200 << 20)
     if "grad_form" in inspect.signature(rt.override).parameters:  # the gradient as logits + chunk_grad_ (before rowscale.py)
         impls["flce_chunkgrad"] = flce("auto", grad_form="chunk_grad")
     if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:

@@ -12,7 +12,10 @@ training loop, where that host work overlaps the previous step), and peak memory
 implementation must return, ``fwd_mem_gib`` is the forward-only (no grad) peak. Ratios are to the
 bare ``x @ W.T`` matmul timed in the same run (``ratio_fb``: fwd+bwd against three of it); ``ratio_fb3``
 (``x3dist``) is fwd+bwd against the layer's three distinct matmuls run back to back (``x @ W.T``,
-``dy @ W``, ``dy.T @ x``: ``_timing.three_matmuls``, the floor as issue 15 words it). Writes ``bench_<dtype>[_<data modes>].csv`` under
+``dy @ W``, ``dy.T @ x``: ``_timing.three_matmuls``, the floor as issue 15 words it); ``ratio_plan``
+(``xplan``) is fwd+bwd against the same three matmuls as flce's default chunk plan issues them
+(``_timing.chunked_matmuls`` at ``plan_rows`` rows: cuBLAS alone, no Helion pass, no small kernel).
+Writes ``bench_<dtype>[_<data modes>].csv`` under
 ``benchmarks/results/`` (and ``--out``) and prints a table last.
 
 Data modes (``--data``, default ``random,realistic``; ``benchmarks/data.py``): ``random`` is the
@@ -41,6 +44,11 @@ if importlib.util.find_spec("flce_dist") is None:  # a tree on PYTHONPATH wins (
 import flce_dist  # noqa: E402
 from flce_dist._timing import (DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, three_matmuls,
                               write_csv)  # noqa: E402
+
+try:  # the chunk plan's cuBLAS work alone (run 21; trees before it: no such column)
+    from flce_dist._timing import chunked_matmuls  # noqa: E402
+except ImportError:
+    chunked_matmuls = None
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import data as bench_data  # noqa: E402
@@ -166,6 +174,18 @@ def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
             break
 
 
+def chunk_plan(x: torch.Tensor, v: int) -> int:
+    """Token rows per chunk of flce's fused strategy for ``x`` under the current settings (0 where this
+    tree has no ``core.fused_plan``): the chunks ``_timing.chunked_matmuls`` then issues as cuBLAS work alone."""
+    try:
+        from flce_dist import core
+        from flce_dist.options import FLCEParams, LossOptions
+        from flce_dist.settings import current
+    except ImportError:
+        return 0
+    return core.fused_plan(x.shape[0], x, FLCEParams(0, v, LossOptions(), current()), None, False)
+
+
 def main() -> None:
     args = parse_args()
     dt = DTYPES[args.dtype]
@@ -185,13 +205,16 @@ def main() -> None:
         w.requires_grad_()
         mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         mm3 = time_ms(three_matmuls(x.detach(), w.detach()), args.reps)  # x @ W.T, dy @ W, dy.T @ x back to back
+        plan = chunk_plan(x, v)
+        mmc = time_ms(chunked_matmuls(x.detach(), w.detach(), plan), args.reps) if plan and chunked_matmuls else float("nan")
         torch.cuda.empty_cache()
-        print(f"  {'matmul':15} {mm:8.2f} ms  (three distinct matmuls {mm3:.2f} ms = {mm3 / (3 * mm):.3f}x 3 x this)",
-              flush=True)
+        print(f"  {'matmul':15} {mm:8.2f} ms  (three distinct matmuls {mm3:.2f} ms = {mm3 / (3 * mm):.3f}x 3 x this;"
+              f" as flce's {plan}-row chunks {mmc:.2f} ms = {mmc / mm3:.3f}x them)", flush=True)
         grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
         rows.append(dict(shape=name, data=mode, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0,
                          ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0,
-                         floor3_ms=mm3, ratio_fb3=3 * mm / mm3, **dcols))
+                         floor3_ms=mm3, ratio_fb3=3 * mm / mm3, plan_rows=plan, plan_ms=mmc, ratio_plan=3 * mm / mmc,
+                         **dcols))
         for iname, fn in impls.items():
             def fb():
                 x.grad = w.grad = None
@@ -216,7 +239,8 @@ def main() -> None:
             rows.append(dict(shape=name, data=mode, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
                              ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, steady_ms=st_ms,
                              ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem,
-                             floor3_ms=mm3, ratio_fb3=fb_ms / mm3, **dcols))
+                             floor3_ms=mm3, ratio_fb3=fb_ms / mm3, plan_rows=plan, plan_ms=mmc,
+                             ratio_plan=fb_ms / mmc, **dcols))
             # each row as soon as it is timed (a call cut off at its limit keeps what it measured)
             print(f"  {iname:15} {fb_ms:8.2f} ms ({fb_ms / (3 * mm):.2f}x 3mm)  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)"
                   f"  extra {mem - grads_gib:.2f} GiB", flush=True)
@@ -236,13 +260,13 @@ def print_table(rows: list[dict]) -> None:
     """The short table: one line per (shape, data mode, impl); the matmul line of each (shape, data)
     carries that data's describe() numbers (loss nats, negligible-block fraction sorted)."""
     print(f"{'shape':8} {'data':9} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'steady':>8} {'x3mm':>6} {'fwd ms':>8}"
-          f" {'x1mm':>6} {'peak GiB':>9} {'extra':>6} {'fwd GiB':>8} {'x3dist':>6}")
+          f" {'x1mm':>6} {'peak GiB':>9} {'extra':>6} {'fwd GiB':>8} {'x3dist':>6} {'xplan':>6}")
     for r in rows:
         note = (f"   loss {r['d_loss']:.2f} nats, skip {r['d_skip_frac']:.2f} / sorted {r['d_skip_frac_sorted']:.2f}"
                 if r["impl"] == "matmul" else "")
         print(f"{r['shape']:8} {r['data']:9} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['steady_ms']:8.2f}"
               f" {r['ratio_steady']:6.2f} {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f} {r['extra_gib']:6.2f}"
-              f" {r['fwd_mem_gib']:8.2f} {r.get('ratio_fb3', float('nan')):6.2f}{note}")
+              f" {r['fwd_mem_gib']:8.2f} {r.get('ratio_fb3', float('nan')):6.2f} {r.get('ratio_plan', float('nan')):6.2f}{note}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab gradab gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
+#   bash benchmarks/device.sh tests rl tprl dtensor ab tpab tune tunestore tunecls tunepers storeab chunksweep gradab gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -28,6 +28,9 @@ for w in ${*:-tests bench}; do
     storeab) for cfg in "" benchmarks/results/run17/store_winner; do tag=$([ -n "$cfg" ] && echo run17store || echo shipped)  # run 17's puzzle: a faster store kernel, a slower loss
                FLCE_CONFIG_DIR=$cfg timeout 200 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\["
                FLCE_CONFIG_DIR=$cfg timeout 250 python3 benchmarks/kernel_profile.py --shapes llama3 --data ${AB_DATA:-random,realistic} 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
+    chunksweep) for mb in ${CHUNK_MBS:-default 2048 4200}; do  # run 21: chunk budgets (MiB; default: the 1 GiB plan) against the three distinct matmuls and the plan's own cuBLAS work
+                  FLCE_CHUNK_MB=${mb#default} timeout 190 python3 benchmarks/ab_flce.py --tag "c$mb" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} \
+                    --data ${AB_DATA:-random,realistic} --reps 15 2>&1 | flt | grep "^\["; done | tee "$OUT/chunk_sweep.log" ;;
     gradab) timeout 560 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" | tee "$OUT/gradab.log" ;;  # rowscale.py vs chunk_grad_, A B A B in one process
     gradbench) timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16 ;;
     eventprobe) for m in fb fwd; do timeout 280 python3 benchmarks/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"  # the loss split by CUDA events, no profiler

@@ -174,6 +174,27 @@ def test_bench_argument_parsing():
         bench_tp.parse_args(["--data", "nope"])
 
 
+def test_bench_chunk_plan_and_table(capsys):
+    """bench.chunk_plan gives the fused strategy's own rows (the CPU plan: 256 MiB chunks; an explicit
+    budget through the settings), and the table prints ``xplan``, the ratio to that plan's cuBLAS work."""
+    bench = pytest.importorskip("bench")
+    import flce_dist
+    from flce_dist.chunking import chunk_rows
+    from flce_dist.settings import current
+
+    x = torch.randn(5000, 64, dtype=torch.bfloat16)
+    assert bench.chunk_plan(x, 300000) == chunk_rows(5000, 300000, 2, x.device, current())
+    assert bench.chunk_plan(x, 300000) < 5000  # several chunks at this V: the plan is not the whole batch
+    with flce_dist.override(chunk_bytes=1 << 20):
+        assert bench.chunk_plan(x, 4096) == 125  # 1 MiB = 128 rows of 4096 bf16, balanced: 40 chunks of 125
+    row = dict(shape="llama3", data="random", impl="flce", fwd_bwd_ms=40.0, ratio_fb=1.1, steady_ms=39.0,
+               ratio_steady=1.05, fwd_ms=13.0, ratio_f=1.05, mem_gib=1.7, extra_gib=0.74, fwd_mem_gib=0.05,
+               ratio_fb3=1.05, ratio_plan=1.0123)
+    bench.print_table([row])
+    out = capsys.readouterr().out
+    assert "xplan" in out.splitlines()[0] and out.splitlines()[1].rstrip().endswith("1.01")
+
+
 def test_plot_per_data_mode(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     plot = pytest.importorskip("plot")

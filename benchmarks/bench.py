@@ -174,16 +174,18 @@ def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
             break
 
 
-def chunk_plan(x: torch.Tensor, v: int) -> int:
-    """Token rows per chunk of flce's fused strategy for ``x`` under the current settings (0 where this
-    tree has no ``core.fused_plan``): the chunks ``_timing.chunked_matmuls`` then issues as cuBLAS work alone."""
+def chunk_plan(x: torch.Tensor, v: int, group=None) -> int:
+    """Token rows per chunk of flce's fused strategy for ``x`` and a vocabulary of ``v`` (the full one;
+    ``group``: its TP group, whose ranks each plan with ceil(V / P) columns and 1/P of the budget) under
+    the current settings, 0 where this tree has no ``core.fused_plan``: the chunks
+    ``_timing.chunked_matmuls`` then issues as cuBLAS work alone."""
     try:
         from flce_dist import core
         from flce_dist.options import FLCEParams, LossOptions
         from flce_dist.settings import current
     except ImportError:
         return 0
-    return core.fused_plan(x.shape[0], x, FLCEParams(0, v, LossOptions(), current()), None, False)
+    return core.fused_plan(x.shape[0], x, FLCEParams(0, v, LossOptions(), current()), group, False)
 
 
 def main() -> None:

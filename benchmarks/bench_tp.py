@@ -12,7 +12,8 @@ Per shape, each rank holds its vocab shard (uneven split allowed) and the same N
   deepspeed   deepspeed.sequence.linear_cross_entropy.vocab_parallel_linear_cross_entropy (tp_group)
   floor       3 x the shard matmul + one dX all-reduce ([N, H] in bf16), each timed in this run
               (``ratio3``, ``x floor3``: against the shard's three distinct matmuls run back to back,
-              ``_timing.three_matmuls``, + the all-reduce)
+              ``_timing.three_matmuls``, + the all-reduce; ``ratio_plan``, ``x plan``: against the same
+              three as flce's per-rank chunk plan issues them, ``_timing.chunked_matmuls``, + the all-reduce)
 Times are the max over ranks of the per-rank median (CUDA events); memory is the per-rank peak
 above the inputs. Writes ``bench_tp<P>.csv`` (``bench_tp<P>_n<N>.csv`` for N != 8192; ``_<data modes>``
 appended unless ``--data`` is the default) and prints a
@@ -42,7 +43,13 @@ from flce_dist import vocab_shard  # noqa: E402
 from flce_dist._timing import SHAPES, cuda_time_ms, three_matmuls, write_csv  # noqa: E402
 from flce_dist._timing import peak_gib as _peak_gib  # noqa: E402
 
+try:  # the chunk plan's cuBLAS work alone (run 21)
+    from flce_dist._timing import chunked_matmuls  # noqa: E402
+except ImportError:
+    chunked_matmuls = None
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
 from bench import DATA_MODES, csv_suffix, describe_cols  # noqa: E402
 import data as bench_data  # noqa: E402
 
@@ -170,9 +177,13 @@ def main():
         floor = 3 * mm + ar
         # the shard's three distinct matmuls back to back (x @ W_r.T, dy @ W_r, dy.T @ x) + the all-reduce
         floor3 = time_ms(three_matmuls(x.detach(), w.detach()), args.reps) + ar
+        # the same on flce's own chunk plan (1/P of the 1 GiB budget per rank, ceil(V / P) columns): cuBLAS alone
+        plan = bench.chunk_plan(x, v, group) if chunked_matmuls else 0
+        floorp = time_ms(chunked_matmuls(x.detach(), w.detach(), plan), args.reps) + ar if plan else float("nan")
         torch.cuda.empty_cache()
         rows.append(dict(shape=name, data=mode, impl="floor", P=p, N=args.n, fwd_bwd_ms=floor, ratio=1.0, mem_gib=0.0,
-                         mm_ms=mm, allreduce_ms=ar, floor3_ms=floor3, ratio3=floor / floor3, **dcols))
+                         mm_ms=mm, allreduce_ms=ar, floor3_ms=floor3, ratio3=floor / floor3, plan_rows=plan,
+                         plan_ms=floorp, ratio_plan=floor / floorp, **dcols))
         fns = {
             "flce": lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group),
             "megatron": lambda: _MegatronVocabParallelCE.apply(_CopyToTP.apply(x, group) @ w.T, t, s, group).mean(),
@@ -200,22 +211,25 @@ def main():
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
             rows.append(dict(shape=name, data=mode, impl=iname, P=p, N=args.n, fwd_bwd_ms=ms, ratio=ms / floor,
-                             mem_gib=mem, mm_ms=mm, allreduce_ms=ar, floor3_ms=floor3, ratio3=ms / floor3, **dcols))
+                             mem_gib=mem, mm_ms=mm, allreduce_ms=ar, floor3_ms=floor3, ratio3=ms / floor3,
+                             plan_rows=plan, plan_ms=floorp, ratio_plan=ms / floorp, **dcols))
             if rank == 0:  # each row as soon as it is timed (a call cut off at its limit keeps what it measured)
                 print(f"  {iname:10} {ms:8.2f} ms  {ms / floor:.2f}x floor ({floor:.2f} ms), {ms / floor3:.2f}x the "
-                      f"distinct-matmul floor ({floor3:.2f} ms)  {mem:.2f} GiB/rank", flush=True)
+                      f"distinct-matmul floor ({floor3:.2f} ms), {ms / floorp:.3f}x flce's {plan}-row chunk plan as cuBLAS "
+                      f"work ({floorp:.2f} ms)  {mem:.2f} GiB/rank", flush=True)
         del x, w, buf
         torch.cuda.empty_cache()
     if rank == 0:
         fname = (f"bench_tp{p}" if args.n == 8192 else f"bench_tp{p}_n{args.n}") + csv_suffix(args.data)
         write_csv(rows, f"{fname}.csv", [args.out] if args.out else [])
         print(f"\nTP={p} {torch.cuda.get_device_name()} bf16 N={args.n}  (floor = 3 x shard matmul + dX all-reduce)")
-        print(f"{'shape':8} {'data':9} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'x floor3':>9} {'peak GiB/rank':>14}")
+        print(f"{'shape':8} {'data':9} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'x floor3':>9} {'x plan':>7}"
+              f" {'peak GiB/rank':>14}")
         for r in rows:
             note = (f"   loss {r['d_loss']:.2f} nats, skip {r['d_skip_frac']:.2f} / sorted {r['d_skip_frac_sorted']:.2f}"
                     if r["impl"] == "floor" else "")
             print(f"{r['shape']:8} {r['data']:9} {r['impl']:10} {r['fwd_bwd_ms']:10.2f} {r['ratio']:8.2f}"
-                  f" {r['ratio3']:9.2f} {r['mem_gib']:14.2f}{note}")
+                  f" {r['ratio3']:9.2f} {r['ratio_plan']:7.3f} {r['mem_gib']:14.2f}{note}")
     dist.destroy_process_group()
 
 

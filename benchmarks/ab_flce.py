@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import flce_dist  # noqa: E402  (the first on PYTHONPATH: the tree under test)
-from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms, peak_gib  # noqa: E402
+from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms, peak_gib, write_csv  # noqa: E402
 
 try:  # the three distinct matmuls and NVML energy (not in the _timing.py of trees before run 20)
     from flce_dist._timing import energy_j, three_matmuls  # noqa: E402
@@ -72,10 +72,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--grad-forms", default="", help="e.g. chunk_grad,rowscale: each shape timed with each "
                     "Settings(grad_form=...) in turn, twice (A B A B), in this one process")
+    ap.add_argument("--out", default="", help="also write ab_<tag>.csv there (one row per printed line)")
     bench_data.add_data_args(ap)
     args = ap.parse_args()
     bench_data.check_data_args(ap, args)
     forms = [f for f in args.grad_forms.split(",") if f]
+    csv_rows: list[dict] = []
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
     for shape, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
         x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)
@@ -117,6 +119,13 @@ def main() -> None:
                      if rows else "") + f"  extra {extra:.2f} GiB"
                   + (f"  energy {ej[0]:.2f} J = {ej[0] / e3[0]:.3f}x the 3 distinct matmuls' ({ej[2]:.0f} vs {e3[2]:.0f} W)"
                      if ej else ""), flush=True)
+            csv_rows.append(dict(tag=tag, shape=shape, data=mode, chunk_mb=os.environ.get("FLCE_CHUNK_MB", ""),
+                                 flce_ms=ms, mm_ms=mm, ratio_3mm=ms / (3 * mm), fwd_ms=fwd, ratio_1mm=fwd / mm,
+                                 dist3_ms=mm3, ratio_dist3=ms / mm3, plan_rows=rows, plan_ms=mmc,
+                                 plan_vs_dist3=mmc / mm3, ratio_plan=ms / mmc, extra_gib=extra,
+                                 energy_j=ej[0] if ej else float("nan"),
+                                 energy_ratio=ej[0] / e3[0] if ej else float("nan")))
+            write_csv(csv_rows, f"ab_{args.tag.strip('.') or 'old'}.csv", [args.out] if args.out else [])
         if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)
             from flce_dist import rowscale
 

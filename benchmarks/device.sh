@@ -30,7 +30,7 @@ for w in ${*:-tests bench}; do
                FLCE_CONFIG_DIR=$cfg timeout 250 python3 benchmarks/kernel_profile.py --shapes llama3 --data ${AB_DATA:-random,realistic} 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
     chunksweep) for mb in ${CHUNK_MBS:-default 2048 4200}; do  # run 21: chunk budgets (MiB; default: the 1 GiB plan) against the three distinct matmuls and the plan's own cuBLAS work
                   FLCE_CHUNK_MB=${mb#default} timeout 190 python3 benchmarks/ab_flce.py --tag "c$mb" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} \
-                    --data ${AB_DATA:-random,realistic} --reps 15 2>&1 | flt | grep "^\["; done | tee "$OUT/chunk_sweep.log" ;;
+                    --data ${AB_DATA:-random,realistic} --reps 15 --out "$OUT" 2>&1 | flt | grep "^\["; done | tee "$OUT/chunk_sweep.log" ;;
     gradab) timeout 560 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" | tee "$OUT/gradab.log" ;;  # rowscale.py vs chunk_grad_, A B A B in one process
     gradbench) timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16 ;;
     eventprobe) for m in fb fwd; do timeout 280 python3 benchmarks/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"  # the loss split by CUDA events, no profiler
@@ -51,7 +51,7 @@ for w in ${*:-tests bench}; do
     dtensor) timeout 300 torchrun --nproc_per_node="$ngpu" tests/dtensor_checks.py --backend nccl 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/dtensor_tests.log" | grep "FAIL\|passed\|Error" | tail -12 ;;
     ab) for tree in ${AB_TREES:-.old .}; do  # before/after a refactor: the loss alone vs the matmul, same machine
           tag=$([ "$tree" = . ] && echo new || echo "$tree")
-          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 280 python3 benchmarks/ab_flce.py --tag "$tag" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" ; done | tee "$OUT/ab.log" ;;
+          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 280 python3 benchmarks/ab_flce.py --tag "$tag" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\[" ; done | tee "$OUT/ab.log" ;;
     tpab) for tree in ${AB_TREES:-.old .}; do  # TP=2 before/after (e.g. the per-call guard): flce vs its floor, same machine
           tag=$([ "$tree" = . ] && echo new || echo "$tree")
           PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --impls flce \

@@ -5,6 +5,13 @@
 
 CSVs with a ``data`` column (bench.py / bench_tp.py with data modes) get one row of panels per data
 mode (``--data`` keeps only the listed modes); older CSVs count as ``random``.
+
+    python benchmarks/plot.py --chunk-sweep benchmarks/results/run21/chunk_sweep_53377e1.csv \
+        --out benchmarks/results/chunk_budget.png
+
+plots instead a chunk-budget sweep (``ab_flce.py`` CSVs of several ``FLCE_CHUNK_MB``, e.g. ``device.sh
+chunksweep``): per data mode, flce exact and the chunk plan's cuBLAS work (``_timing.chunked_matmuls``),
+each relative to the three distinct matmuls, against the memory beyond the returned gradients.
 """
 
 from __future__ import annotations
@@ -32,12 +39,44 @@ def _load(path: Path, modes: list[str] | None = None) -> list[tuple[str, list[di
     return out
 
 
+def plot_chunk_sweep(paths: list[str], out: str) -> None:
+    """flce exact (solid) and its chunk plan's cuBLAS work (dashed), x the three distinct matmuls,
+    against the GiB beyond the returned gradients: one panel per data mode, one colour per shape."""
+    rows = [r for p in paths for r in csv.DictReader(open(p))]
+    modes = list(dict.fromkeys(r["data"] for r in rows))
+    fig, axes = plt.subplots(1, len(modes), figsize=(6.5 * len(modes), 4.2), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for k, shape in enumerate(dict.fromkeys(r["shape"] for r in rows)):
+            pts = sorted((float(r["extra_gib"]), float(r["ratio_dist3"]), float(r["plan_vs_dist3"]))
+                         for r in rows if r["shape"] == shape and r["data"] == mode)
+            if not pts:
+                continue
+            c = f"C{k}"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=f"{shape}: flce exact")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color=c, alpha=0.6,
+                    label=f"{shape}: its chunks as cuBLAS alone")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axvline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel("GiB beyond the returned gradients (dotted: the 1 GiB bar)")
+        ax.set_ylabel("fwd+bwd time / the 3 distinct matmuls")
+        ax.set_title(f"TP=1 {mode}: chunk budget against time")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--out", default="benchmarks/results/summary.png")
     ap.add_argument("--data", default="", help="comma list of data modes to plot (default: all in the CSVs)")
+    ap.add_argument("--chunk-sweep", action="store_true", help="the CSVs are ab_flce.py chunk-budget sweeps")
     args = ap.parse_args()
+    if args.chunk_sweep:
+        plot_chunk_sweep(args.csv, args.out)
+        return
     modes = [m for m in args.data.split(",") if m]
     sets = [s for p in args.csv for s in _load(Path(p), modes)]
     if not sets:

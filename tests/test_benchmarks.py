@@ -212,6 +212,23 @@ def test_plot_per_data_mode(tmp_path, monkeypatch):
     assert (tmp_path / "s.png").stat().st_size > 0
 
 
+def test_plot_chunk_sweep(tmp_path, monkeypatch):
+    """plot.py --chunk-sweep reads ab_flce.py's CSV rows (run 21's columns) into one panel per data mode."""
+    pytest.importorskip("matplotlib")
+    plot = pytest.importorskip("plot")
+    rows = [dict(tag=f"c{mb}", shape=s, data=d, chunk_mb=mb, extra_gib=g, ratio_dist3=r, plan_vs_dist3=r - 0.02)
+            for d in ("random", "realistic") for s in ("llama3", "gemma")
+            for mb, g, r in (("", 0.74, 1.06), ("2048", 2.14, 1.02))]
+    with open(tmp_path / "sweep.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    monkeypatch.setattr(sys, "argv", ["plot.py", "--chunk-sweep", str(tmp_path / "sweep.csv"), "--out",
+                                      str(tmp_path / "c.png")])
+    plot.main()
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
 def test_capture_from_dcp_checkpoint(tmp_path):
     """capture_trained.py --checkpoint: a DCP folder holding a LlamaForCausalLM state dict under a
     prefix becomes a fixture that make_inputs(mode="trained") loads."""

@@ -366,6 +366,39 @@ def test_op_trace_names_the_small_ops():
     assert op_trace.cuda_kernels(lambda: None) == [] or torch.cuda.is_available()
 
 
+def test_chunked_matmuls_models_the_loss_plan():
+    """``_timing.chunked_matmuls`` is a floor only while it issues the loss's own cuBLAS work: traced
+    (op_trace) on one fused call with a 3-chunk plan, the loss runs per chunk one float32-out dX
+    matmul, the first chunk writes dW and the later ones ``addmm_`` into it (plus one reference-sample
+    matmul); the model runs the same dW ops and one logits matmul per chunk where the loss runs its
+    Helion pass. A change to the loss's matmul structure fails here until the model follows it."""
+    import flce_dist
+    from flce_dist import core
+    from flce_dist._timing import chunked_matmuls
+    from flce_dist.options import FLCEParams, LossOptions
+
+    op_trace = pytest.importorskip("op_trace")
+    flce_dist.setup_reference_mode()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(40, 16, generator=g) * 0.3).bfloat16().requires_grad_()
+    t = torch.randint(0, 40, (300,), generator=g)
+    with flce_dist.override(chunk_bytes=128 * 40 * 2):
+        rows = core.fused_plan(300, x, FLCEParams(0, 40, LossOptions(), flce_dist.settings.current()), None, False)
+        loss = op_trace.OpLog()
+        op_trace.trace(lambda: flce_dist.fused_linear_cross_entropy(x, w, t).backward(), loss)
+    chunks = -(-300 // rows)
+    assert chunks == 3
+    model = op_trace.OpLog()
+    op_trace.trace(chunked_matmuls(x.detach(), w.detach(), rows), model)
+    lc = {op: c for (where, op), c in loss.counts.items() if not where}
+    mc = {op: c for (where, op), c in model.counts.items() if not where}
+    assert lc.get("aten.mm.dtype") == chunks  # dX = E' @ W in float32 (the CPU model: mm, then .float())
+    assert lc.get("aten.addmm_.default") == mc.get("aten.addmm_.default") == chunks - 1
+    assert lc.get("aten.mm.out") == 1 and mc.get("aten.mm.out") == chunks + 1  # dW written once; + the logits
+    assert lc.get("aten.mm.default") == 1 and mc.get("aten.mm.default") == chunks  # the reference; the model's dX
+
+
 @pytest.mark.parametrize("n,rows", [(301, 128), (128, 128), (77, 200)])
 def test_chunked_matmuls_is_the_chunked_product(n, rows):
     """``_timing.chunked_matmuls`` (the fused plan's cuBLAS work alone): its dW is the sum over the

@@ -41,6 +41,7 @@ except ImportError:
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: data.py
+import bench  # noqa: E402  (its chunk_plan: the fused strategy's rows per chunk)
 import data as bench_data  # noqa: E402
 
 
@@ -89,12 +90,8 @@ def main() -> None:
             floor3 = three_matmuls(x.detach(), w.detach())
             mm3, e3 = cuda_steady_ms(floor3, args.reps), energy_j(floor3)
             del floor3
-        mmc, rows = float("nan"), 0
-        if chunked_matmuls:
-            from flce_dist import core
-            from flce_dist.options import FLCEParams, LossOptions
-
-            rows = core.fused_plan(args.n, x, FLCEParams(0, v, LossOptions(), flce_dist.settings.current()), None, False)
+        mmc, rows = float("nan"), bench.chunk_plan(x, v) if chunked_matmuls else 0
+        if rows:
             floorc = chunked_matmuls(x.detach(), w.detach(), rows)
             mmc = cuda_steady_ms(floorc, args.reps)
             del floorc

@@ -52,14 +52,14 @@ import helion.language as hl
 import torch
 
 import flce_dist
-from flce_dist import core, rowscale
+from flce_dist import rowscale
 from flce_dist._timing import SHAPES, cuda_steady_ms, energy_j, three_matmuls
 from flce_dist.kernels import launch
 from flce_dist.kernels.common import LOG2E, SETTINGS
-from flce_dist.options import FLCEParams, LossOptions
 from flce_dist.settings import current
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
+import bench  # noqa: E402
 import data as bench_data  # noqa: E402
 from ab_flce import case_inputs  # noqa: E402
 
@@ -267,8 +267,7 @@ def main() -> None:
     for shape, mode, h, v in bench_data.cases(a.shapes, a.data, SHAPES, a.fixture):
         x, w, t = case_inputs(a.n, h, v, mode, a.sorted_vocab, a.fixture)  # random: ab_flce.py's inputs
         name = f"{shape}/{mode}"
-        p = FLCEParams(0, v, LossOptions(), s)
-        rows_c = core.fused_plan(a.n, x, p, None, False)  # the loss's own chunk
+        rows_c = bench.chunk_plan(x, v)  # the loss's own chunk
         xc, tc = x.detach()[:rows_c], t[:rows_c].to(torch.int32)
         zc = torch.empty(rows_c, v, device="cuda", dtype=torch.bfloat16)
         rc = rowscale.reference(xc, w.detach(), 1.0)

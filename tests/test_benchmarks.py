@@ -340,6 +340,14 @@ def test_epilogue_probe_parts_and_three_matmuls():
         assert energy_j(lambda: calls.append(1), calls=3) is None and not calls
 
 
+def _small_call_inputs(n: int, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded bf16 leaves x [n, 16], w [v, 16] and int64 targets for one small traced fused call."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, 16, generator=g) * 0.3).bfloat16().requires_grad_()
+    return x, w, torch.randint(0, v, (n,), generator=g)
+
+
 def test_op_trace_names_the_small_ops():
     """benchmarks/op_trace.py on the CPU (reference mode): the Helion launches of one fused call are
     marked in order, the torch ops outside them are counted apart from those their host code runs,
@@ -349,10 +357,7 @@ def test_op_trace_names_the_small_ops():
 
     op_trace = pytest.importorskip("op_trace")
     flce_dist.setup_reference_mode()
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(70, 16, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(33, 16, generator=g) * 0.3).bfloat16().requires_grad_()
-    t = torch.randint(0, 33, (70,), generator=g)
+    x, w, t = _small_call_inputs(70, 33)
     real = launch._launch
     log = op_trace.OpLog()
     op_trace.trace(lambda: flce_dist.fused_linear_cross_entropy(x, w, t).backward(), log)
@@ -379,10 +384,7 @@ def test_chunked_matmuls_models_the_loss_plan():
 
     op_trace = pytest.importorskip("op_trace")
     flce_dist.setup_reference_mode()
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(300, 16, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(40, 16, generator=g) * 0.3).bfloat16().requires_grad_()
-    t = torch.randint(0, 40, (300,), generator=g)
+    x, w, t = _small_call_inputs(300, 40)
     with flce_dist.override(chunk_bytes=128 * 40 * 2):
         rows = core.fused_plan(300, x, FLCEParams(0, 40, LossOptions(), flce_dist.settings.current()), None, False)
         loss = op_trace.OpLog()

@@ -15,7 +15,7 @@ their gathered target rows of W:
 On the H200 (sm_90, wgmma) the diagonal equals the pass's target logit bit for bit when ``block_h``
 is the pass's: every output element of a tensor-core dot is the same sequence of products and adds,
 whatever the tile's width (run 20: 8960 of 8960 rows at llama3 and gemma, random and realistic;
-``tests/test_gpu.py`` checks it at three shapes). So the loss and the accuracy output are unchanged.
+``tests/test_gpu.py`` checks it at four shapes). So the loss and the accuracy output are unchanged.
 ``launch.lse_forward`` uses it on sm_90 only, where this was checked; other GPUs and reference mode
 (CPU, whose matmul blocking may round a [BN, BN] product apart from the pass's [BN, BV] one) keep the
 pass's own compare. Extra work: BN times the dot products needed, 2 N BN H flop (8.6 GFLOP at

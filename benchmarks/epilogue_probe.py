@@ -27,9 +27,10 @@ at N = 8192, steady back to back, against the bare cuBLAS matmul of the same run
             blocks and order). Exact only if those bits equal the pass's: the probe counts the rows
             that do (run 20: all; shipped since 24bd433)
 
-Since 24bd433 ``launch.lse_forward`` on sm_90 runs the pass with ``store == STORE_EXP_NT`` and takes
-the target logits from ``kernels/target_dot.py``: the "shipped kernel" row is that path, and every
-part (which ignores ``store``) is followed by that launch too (~0.02 ms per chunk; part 9's own
+Since 24bd433 ``launch.lse_forward`` on sm_90 runs the pass without its target compare
+(``with_tgt`` False) and takes the target logits from ``kernels/target_dot.py``: the "shipped kernel"
+row is that path, and every part (which ignores ``store`` and ``with_tgt``) is followed by that launch
+too (~0.02 ms per chunk; part 9's own
 target_dot then runs twice). Parts 0-3 write partials that keep the loss finite and the row-scale gate closed (pmax = r), so the
 loss's other kernels do the same work as with the shipped one; their loss values are wrong, only
 their times are read. Parts 4 and 5 give the loss's own statistics (4: unless exp(y - r) overflows,
@@ -80,6 +81,7 @@ def probe_partials(
     store: hl.constexpr,
     with_sum: hl.constexpr,
     with_ent: hl.constexpr,
+    with_tgt: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
     block_h: hl.constexpr,
@@ -216,7 +218,7 @@ def target_rows_dot(x: torch.Tensor, w: torch.Tensor, tl: torch.Tensor, scale: f
                     block_n: int = 128) -> torch.Tensor:
     """[1, N] target logits from ``kernels/target_dot.py`` (shipped since 24bd433; part 9 came first)
     with the given blocks, through the launcher (never autotuned)."""
-    return launch._launch("target_dot", (x, w, tl, float(scale)), x.device, x.dtype, current(),
+    return launch._launch("target_dot", (x, w, tl, float(scale), 0.0), x.device, x.dtype, current(),
                           blocks={"block_h": block_h, "block_n": block_n})
 
 
@@ -244,7 +246,7 @@ class _Bound:
         out = self.b(*full, self.part)
         if self.part == 9:  # the target logits from their own launch: a one-row ptgt (launch.merge sums it)
             x, w, _, tl, *_rest = full
-            out = (out[0], out[1], target_rows_dot(x, w, tl, full[6], full[14]), out[3], out[4])
+            out = (out[0], out[1], target_rows_dot(x, w, tl, full[6], full[15]), out[3], out[4])
         return out
 
 

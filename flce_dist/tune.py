@@ -88,12 +88,14 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
     ref = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     lse_cands, store_cands = CANDIDATE_SETS[candidates]
     return [
-        # (x, w, bias, target_local, z_out, ref, scale, softcap, has_bias, store, with_sum, with_ent): as
-        # launch.lse_forward; the store pass as the row-scale gradient runs it (exponentials, rowscale.py)
+        # (x, w, bias, target_local, z_out, ref, scale, softcap, has_bias, store, with_sum, with_ent,
+        # with_tgt): as launch.lse_forward on sm_90 (target logits from target_dot); the store pass as the
+        # row-scale gradient runs it (exponentials, rowscale.py)
         ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), dummy, 1.0, 0.0, False,
-                                               STORE_NONE, False, False), lse_cands, "lse_forward", mm),
+                                               STORE_NONE, False, False, False), lse_cands, "lse_forward", mm),
         ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs,
-                                                     ref[:store_rows], 1.0, 0.0, False, STORE_EXP, False, False),
+                                                     ref[:store_rows], 1.0, 0.0, False, STORE_EXP, False, False,
+                                                     False),
          store_cands, "lse_forward", smm),
         ("chunk_stats", chunk_stats_partials, (z, 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
         ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),

@@ -293,7 +293,7 @@ def test_epilogue_probe_parts_and_three_matmuls():
     t[20:23] = -1  # no target in this shard
     r = rowscale.reference(x, w, 1.0)
     common = (x, w, w.new_zeros(1), t)
-    tail = (r, 1.0, 0.0, False, launch.STORE_EXP, False, False, 16, 128, 8)
+    tail = (r, 1.0, 0.0, False, launch.STORE_EXP, False, False, True, 16, 128, 8)
     z_ship, z5, z4 = (torch.full((n, v), float("nan")) for _ in range(3))
     ship = lse_forward_partials(*common, z_ship, *tail)
     for part in (5, 7, 8):  # the shipped epilogue, and two cheaper forms of it that must agree bit for bit

@@ -409,13 +409,18 @@ def test_row_kernels_on_cuda(nt, n):
         assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
 
 
-@pytest.mark.parametrize("n, h, v, data", [(2816, 4096, 128256, "random"), (1664, 2304, 262208, "realistic"),
-                                           (777, 1024, 50001, "random"), (1024, 4096, 151936, "realistic")])
-def test_target_dot_matches_the_store_pass_bitwise(n, h, v, data):
-    """On sm_90 the row-scale store pass leaves its target logits to kernels/target_dot.py: they must
-    be the pass's own bits (the loss and the accuracy output depend on it). The pass with its own
-    target compare (STORE_EXP) against the target_dot kernel, and launch.lse_forward's stats (the
-    shipped path) against the merge of the STORE_EXP partials, bit for bit, with the shipped configs."""
+@pytest.mark.parametrize("n, h, v, data, store, softcap", [
+    (2816, 4096, 128256, "random", "exp", 0.0), (1664, 2304, 262208, "realistic", "exp", 0.0),
+    (777, 1024, 50001, "random", "exp", 0.0), (1024, 4096, 151936, "realistic", "exp", 0.0),
+    (2048, 4096, 128256, "realistic", "none", 0.0), (1664, 2304, 262208, "realistic", "none", 30.0),
+    (777, 1024, 50001, "random", "logits", 30.0), (1024, 4096, 151936, "realistic", "logits", 0.0)])
+def test_target_dot_matches_the_logits_pass_bitwise(n, h, v, data, store, softcap):
+    """On sm_90 every logits pass without a bias leaves its target logits to kernels/target_dot.py:
+    they must be the pass's own bits (the loss and the accuracy output depend on it). The pass with its
+    own target compare (``with_tgt``) against the target_dot kernel, and launch.lse_forward's stats
+    (the shipped path) against the merge of those partials, bit for bit, with the shipped configs: the
+    row-scale exponential store, the fused logits store and the forward-only pass (its own flattened
+    persistent config), with and without a softcap."""
     import sys
     from pathlib import Path
 
@@ -430,16 +435,19 @@ def test_target_dot_matches_the_store_pass_bitwise(n, h, v, data):
     tl = t.to(torch.int32)
     tl[::9] = -1  # rows without a target in this shard
     s = Settings()
-    r = rowscale.reference(x, w, 1.0)
-    z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16)
-    parts = launch._launch("lse_forward", (x, w, w.new_zeros(1), tl, z, r, 1.0, 0.0, False, launch.STORE_EXP, False,
-                                           False), x.device, x.dtype, s, "store", h)
-    block_h = launch.entry("lse_forward", x.device, x.dtype, "store", h, s)["block"]["block_h"]
-    yt = launch._launch("target_dot", (x, w, tl, 1.0), x.device, x.dtype, s, blocks={"block_h": block_h})
+    code = {"none": launch.STORE_NONE, "logits": launch.STORE_LOGITS, "exp": launch.STORE_EXP}[store]
+    r = rowscale.reference(x, w, 1.0) if code == launch.STORE_EXP else None
+    z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16) if code != launch.STORE_NONE else x.new_zeros(1, 1)
+    variant = "store" if code != launch.STORE_NONE else ""
+    parts = launch._launch("lse_forward", (x, w, w.new_zeros(1), tl, z, r if r is not None else x.new_zeros(1, dtype=torch.float32),
+                                           1.0, softcap, False, code, False, False, True), x.device, x.dtype, s, variant, h)
+    block_h = launch.entry("lse_forward", x.device, x.dtype, variant, h, s)["block"]["block_h"]
+    yt = launch._launch("target_dot", (x, w, tl, 1.0, softcap), x.device, x.dtype, s, blocks={"block_h": block_h})
     pass_t = parts[2].sum(0)
+    assert int((pass_t != 0).sum()) > n // 2  # the pass found the targets (a test that cannot fail is a defect)
     same = int((yt[0] == pass_t).sum())
     assert same == n, f"{n - same} of {n} target logits differ (max {(yt[0] - pass_t).abs().max().item():.3e})"
-    z2 = torch.empty_like(z)
-    got = launch.lse_forward(x, w, None, tl, 1.0, 0.0, False, s, z_out=z2, exp_ref=r)
+    z2 = torch.empty_like(z) if code != launch.STORE_NONE else None
+    got = launch.lse_forward(x, w, None, tl, 1.0, softcap, False, s, z_out=z2, exp_ref=r)
     want = launch.merge(*parts, False, False, s)
-    assert torch.equal(got, want) and torch.equal(z2, z)
+    assert torch.equal(got, want) and (z2 is None or torch.equal(z2, z))

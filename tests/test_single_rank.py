@@ -831,11 +831,12 @@ def test_launch_refuses_one_tensor_in_two_arguments():
     assert (t == 2.0).all()
 
 
-def test_target_dot_and_the_pass_without_targets():
+@pytest.mark.parametrize("softcap", [0.0, 2.5])
+def test_target_dot_and_the_pass_without_targets(softcap):
     """kernels/target_dot.py (reference mode, several token tiles, a partial last one, rows without a
-    local target) against its torch form and against the store pass's own target logits; the pass
-    with store == STORE_EXP_NT gives the same maxima, sums and stored exponentials as STORE_EXP and
-    no per-tile target partials (one unwritten row)."""
+    local target, with and without a softcap) against its torch form and against each logits pass's
+    own target logits; every pass (no store, logits, exponentials) with ``with_tgt`` False gives the
+    same maxima, sums and stored values as with it, and no per-tile target partials (one unwritten row)."""
     from flce_dist import rowscale
     from flce_dist.kernels import launch
     from flce_dist.kernels.lse_forward import lse_forward_partials
@@ -848,19 +849,25 @@ def test_target_dot_and_the_pass_without_targets():
     t = torch.randint(0, v, (n,), generator=g).to(torch.int32)
     t[::6] = -1
     s = settings.Settings(blocks={"target_dot": {"block_n": 16, "block_h": 8}})
-    got = launch._launch("target_dot", (x, w, t, 0.75), x.device, x.dtype, s)
-    want = target_dot_reference(x, w, t, 0.75)
+    got = launch._launch("target_dot", (x, w, t, 0.75, softcap), x.device, x.dtype, s)
+    want = target_dot_reference(x, w, t, 0.75, softcap)
     assert got.shape == (1, n) and (got[0, t < 0] == 0).all()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if softcap:  # the cap bites: some target logits are beyond it uncapped
+        assert (target_dot_reference(x, w, t, 0.75).abs() > softcap).any() and (got.abs() < softcap).all()
     r = rowscale.reference(x, w, 0.75)
-    z2, z3 = torch.empty(n, v), torch.empty(n, v)
-    tail = (r, 0.75, 0.0, False)
     blocks = (16, 128, 8)
-    p2 = lse_forward_partials(x, w, w.new_zeros(1), t, z2, *tail, launch.STORE_EXP, False, False, *blocks)
-    p3 = lse_forward_partials(x, w, w.new_zeros(1), t, z3, *tail, launch.STORE_EXP_NT, False, False, *blocks)
-    assert torch.equal(p2[0], p3[0]) and torch.equal(p2[1], p3[1]) and torch.equal(z2, z3)
-    assert p2[2].shape[0] == 3 and p3[2].shape == (1, n)
-    torch.testing.assert_close(got[0], p2[2].sum(0), rtol=1e-5, atol=1e-5)  # the pass's own target logits
+    for store in (launch.STORE_NONE, launch.STORE_LOGITS, launch.STORE_EXP):
+        if store == launch.STORE_EXP and softcap:
+            continue  # the row-scale form runs without a softcap (rowscale.py)
+        za, zb = (torch.empty(n, v), torch.empty(n, v)) if store else (x.new_zeros(1, 1), x.new_zeros(1, 1))
+        ref = r if store == launch.STORE_EXP else x.new_zeros(1)
+        tail = (ref, 0.75, softcap, False, store, False, False)
+        pa = lse_forward_partials(x, w, w.new_zeros(1), t, za, *tail, True, *blocks)
+        pb = lse_forward_partials(x, w, w.new_zeros(1), t, zb, *tail, False, *blocks)
+        assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1]) and torch.equal(za, zb), store
+        assert pa[2].shape[0] == 3 and pb[2].shape == (1, n)
+        torch.testing.assert_close(got[0], pa[2].sum(0), rtol=1e-5, atol=1e-5)  # the pass's own target logits
 
 
 @pytest.mark.parametrize("tgt_rows", ["tiles", "one"])

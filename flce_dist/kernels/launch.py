@@ -11,9 +11,9 @@ Entry points (each falls back to its kernel file's torch reference where the ker
 
     logits(x, w, bias, out)          cuBLAS x @ w.T (+ bias)
     lse_forward(x, w, b, tl, ...)    [N, 4] stats of x @ w.T, never stored (or stored to z_out, or
-                                     their exponentials against exp_ref: on sm_90 with the target
-                                     logits from target_dot); [N, 5] with_ent (5th column: the
-                                     shard's softmax entropy)
+                                     their exponentials against exp_ref); on sm_90 without a bias
+                                     the target logits from target_dot; [N, 5] with_ent (5th
+                                     column: the shard's softmax entropy)
     chunk_stats(z, tl, ...)          [Nc, 4] (or [Nc, 5]) stats of a materialised chunk
     chunk_grad_(z, tl, lse, g, ...)  the chunk overwritten with its dlogits (with mu, gh: plus the
                                      entropy's gradient)
@@ -43,9 +43,8 @@ import torch
 from ..chunking import chunk_rows
 from ..settings import Settings
 
-# lse_forward's ``store`` constexpr (literals in the kernel); STORE_EXP_NT: STORE_EXP without the target
-# logits, which kernels/target_dot.py then gives bit for bit (sm_90: run 20)
-STORE_NONE, STORE_LOGITS, STORE_EXP, STORE_EXP_NT = 0, 1, 2, 3
+# lse_forward's ``store`` constexpr (literals in the kernel)
+STORE_NONE, STORE_LOGITS, STORE_EXP = 0, 1, 2
 
 DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "helion"
 
@@ -254,17 +253,17 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     b = bias if bias is not None else w.new_zeros(1)
     zo = z_out if z_out is not None else x.new_empty(1, 1)
     ref = exp_ref if exp_ref is not None else x.new_zeros(1, dtype=torch.float32)
-    # on sm_90 the row-scale pass leaves its target logits to kernels/target_dot.py (the same bits,
+    # on sm_90 a pass without a bias leaves its target logits to kernels/target_dot.py (the same bits,
     # without a compare per element); elsewhere (other GPUs, reference mode) the pass finds them itself
-    nt = store == STORE_EXP and arch_of(x.device) == "h200"
+    nt = bias is None and arch_of(x.device) == "h200"
     variant = "store" if z_out is not None else ""
     parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, float(scale), float(softcap),
-                                    bool(bias is not None), STORE_EXP_NT if nt else store, bool(with_sum),
-                                    bool(with_ent)), x.device, x.dtype, settings, variant, x.shape[1])
+                                    bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt),
+                    x.device, x.dtype, settings, variant, x.shape[1])
     if nt:
         block_h = entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"]
-        ptgt = _launch("target_dot", (x, w, target_local, float(scale)), x.device, x.dtype, settings,
-                       blocks={"block_h": block_h})
+        ptgt = _launch("target_dot", (x, w, target_local, float(scale), float(softcap)), x.device, x.dtype,
+                       settings, blocks={"block_h": block_h})
         parts = (parts[0], parts[1], ptgt, parts[3], parts[4])
     return merge(*parts, with_sum, with_ent, settings)
 

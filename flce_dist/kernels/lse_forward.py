@@ -12,15 +12,15 @@ Algorithm (per rank; ``W`` is this rank's ``[V, H]`` shard):
         pmax[v_tile, n] = max_v y                  # per-row partials of this tile
         psum[v_tile, n] = sum_v exp(y - pmax)
         ptgt[v_tile, n] = y[n, target_local[n]] if the target falls in this tile else 0
+                                                   # only with with_tgt: without it (sm_90, no bias)
+                                                   # the target logits come from kernels/target_dot.py,
+                                                   # the same bits, with no compare per element
         psumy[v_tile,n] = sum_v y                  # only with label smoothing
         pent[v_tile, n] = sum_v exp(y - pmax) * (y - pmax)   # only with entropy (return_entropy)
         z_out[n, v] = exp(y - ref[n])              # store == 2: the exponentials against a
                                                    # per-row reference (the row-scale gradient,
                                                    # rowscale.py), as exp(y - pmax) * exp(pmax - ref):
                                                    # one multiply per element beyond the statistics
-                                                   # store == 3: the same, without ptgt (its target
-                                                   # logits come from kernels/target_dot.py, the
-                                                   # same bits: no per-element target compare)
 
 The partials (``[ceil(V/BV), N]`` float32 each, 1/BV of the logits) are merged by the caller
 into the shard's logsumexp, target logit and (with entropy) the shard's softmax entropy
@@ -31,7 +31,8 @@ distribution's small entropy is not the difference of two large numbers. A grid 
 
 Shapes: x [N, H], w [V, H], bias [V] (or a [1] dummy with ``has_bias=False``),
 target_local [N] int32 (-1 where the target is ignored or outside the shard), z_out [N, V] in x's
-dtype (or a [1, 1] dummy with store == 0), ref [N] float32 (a [1] dummy unless store >= 2).
+dtype (or a [1, 1] dummy with store == 0), ref [N] float32 (a [1] dummy unless store == 2); ptgt is
+one unwritten row without ``with_tgt``.
 Out-of-bounds rows/columns of partial tiles are masked: their logits are set to -inf before the
 max, and their stores are dropped. A tile whose logits are all -inf (a -inf bias on padded vocab
 rows) gets pmax = -inf and psum = pent = 0 (its exponentials are taken against 0, not -inf).
@@ -62,6 +63,7 @@ def lse_forward_partials(
     store: hl.constexpr,
     with_sum: hl.constexpr,
     with_ent: hl.constexpr,
+    with_tgt: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
     block_h: hl.constexpr,
@@ -71,7 +73,7 @@ def lse_forward_partials(
     n_vt = (v + block_v - 1) // block_v
     pmax = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
     psum = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
-    ptgt = torch.empty([n_vt if store != 3 else 1, n], dtype=torch.float32, device=x.device)  # 3: not written
+    ptgt = torch.empty([n_vt if with_tgt else 1, n], dtype=torch.float32, device=x.device)  # not written without
     psumy = torch.empty([n_vt if with_sum else 1, n], dtype=torch.float32, device=x.device)
     pent = torch.empty([n_vt if with_ent else 1, n], dtype=torch.float32, device=x.device)
     for tile_v, tile_n in hl.tile([v, n], block_size=[block_v, block_n]):
@@ -92,18 +94,18 @@ def lse_forward_partials(
         m_ref = torch.where(m > float("-inf"), m, 0.0)  # a tile of -inf logits (e.g. a -inf bias on padded rows)
         e_ym = torch.exp2(ym * LOG2E - (m_ref * LOG2E)[:, None])  # exp(ym - m): kernels/common.py
         s = torch.sum(e_ym, dim=1)
-        if store != 3:  # launch.STORE_EXP_NT leaves the target logits to kernels/target_dot.py
+        if with_tgt:  # else launch.lse_forward takes the target logits from kernels/target_dot.py
             hit = tile_v.index[None, :] == target_local[tile_n][:, None]
             t = torch.sum(torch.where(hit, y, 0.0), dim=1)
         pmax[tile_v.id, tile_n] = m
         psum[tile_v.id, tile_n] = s
-        if store != 3:
+        if with_tgt:
             ptgt[tile_v.id, tile_n] = t
         if with_sum:
             psumy[tile_v.id, tile_n] = torch.sum(torch.where(valid, y, 0.0), dim=1)
         if with_ent:
             pent[tile_v.id, tile_n] = torch.sum(torch.where(e_ym > 0, e_ym * (y - m_ref[:, None]), 0.0), dim=1)
-        if store >= 2:  # launch.STORE_EXP, STORE_EXP_NT
+        if store == 2:  # launch.STORE_EXP
             f = torch.exp2((m_ref - ref[tile_n]) * LOG2E)  # exp(m - ref) per row
             z_out[tile_n, tile_v] = (e_ym * f[:, None]).to(z_out.dtype)
     return pmax, psum, ptgt, psumy, pent

@@ -1,22 +1,24 @@
-"""The row-scale store pass's target logits from their own launch, bit for bit the pass's.
+"""The logits passes' target logits from their own launch, bit for bit the pass's.
 
-The store pass (``lse_forward.py``, store == 2) would otherwise find each row's target logit by
-comparing every column index of every tile with the row's target: an int compare, a select and an
-add per element, 0.1-0.5 ms of a fused fwd+bwd (benchmarks/NOTES.md, run 20: ``epilogue_probe.py``
-part 9, faster in 9 of 9 A/B pairs at llama3, qwen3 and gemma). Here each token tile's rows meet
-their gathered target rows of W:
+A logits pass (``lse_forward.py``: the forward-only pass, the fused logits store and the row-scale
+exponential store) would otherwise find each row's target logit by comparing every column index of
+every tile with the row's target: an int compare, a select and an add per element, 0.1-0.5 ms of a
+fused fwd+bwd (benchmarks/NOTES.md, run 20: ``epilogue_probe.py`` part 9, faster in 9 of 9 A/B pairs
+at llama3, qwen3 and gemma). Here each token tile's rows meet their gathered target rows of W:
 
     for each token tile n                                   # ceil(N / BN) programs
         acc[BN, BN] = sum over H tiles h of x[n, h] @ W[t[n], h].T   # the pass's K blocks, in its
                                                             # order, float32 from zero
         y_t[n] = round(acc[i, i], dtype of x) * scale       # the diagonal: each row with its target
+        y_t[n] = softcap * tanh(y_t[n] / softcap)           # softcap > 0 only, the pass's transform
                  (0 where the row has no target in this shard)
 
 On the H200 (sm_90, wgmma) the diagonal equals the pass's target logit bit for bit when ``block_h``
 is the pass's: every output element of a tensor-core dot is the same sequence of products and adds,
 whatever the tile's width (run 20: 8960 of 8960 rows at llama3 and gemma, random and realistic;
 ``tests/test_gpu.py`` checks it at four shapes). So the loss and the accuracy output are unchanged.
-``launch.lse_forward`` uses it on sm_90 only, where this was checked; other GPUs and reference mode
+``launch.lse_forward`` uses it on sm_90 for every pass without a bias (target_dot adds none), where
+this was checked (the forward-only pass since run 22); other GPUs and reference mode
 (CPU, whose matmul blocking may round a [BN, BN] product apart from the pass's [BN, BV] one) keep the
 pass's own compare. Extra work: BN times the dot products needed, 2 N BN H flop (8.6 GFLOP at
 N = 8192, H = 4096, BN = 128) and one read of x and of the N gathered rows of W.
@@ -31,6 +33,7 @@ import helion
 import helion.language as hl
 import torch
 
+from ..formulas import transform
 from .common import SETTINGS
 
 
@@ -40,6 +43,7 @@ def target_dot(
     w: torch.Tensor,
     target_local: torch.Tensor,
     scale: float,
+    softcap: hl.constexpr,
     block_n: hl.constexpr,
     block_h: hl.constexpr,
 ) -> torch.Tensor:
@@ -53,15 +57,18 @@ def target_dot(
             acc = hl.dot(x[tile_n, tile_h], w[tc, tile_h].T, acc=acc)
         zq = acc.to(x.dtype).to(torch.float32) * scale
         diag = tile_n.index[:, None] == tile_n.index[None, :]
-        yt = torch.sum(torch.where(diag, zq, 0.0), dim=1)
+        yt = torch.sum(torch.where(diag, zq, 0.0), dim=1)  # one term per row: exactly the diagonal
+        if softcap > 0:
+            yt = softcap * torch.tanh(yt / softcap)  # as lse_forward_partials writes formulas.transform
         out[0, tile_n] = torch.where(t >= 0, yt, 0.0)
     return out
 
 
-def target_dot_reference(x: torch.Tensor, w: torch.Tensor, target_local: torch.Tensor, scale: float) -> torch.Tensor:
-    """The kernel's math in torch: [1, N] target logits (rounded to x's dtype, times ``scale``), 0
-    where ``target_local`` < 0."""
+def target_dot_reference(x: torch.Tensor, w: torch.Tensor, target_local: torch.Tensor, scale: float,
+                         softcap: float = 0.0) -> torch.Tensor:
+    """The kernel's math in torch: [1, N] target logits (rounded to x's dtype, times ``scale``, then
+    the softcap), 0 where ``target_local`` < 0."""
     has = target_local >= 0
     wt = w[torch.where(has, target_local, 0).long()]
-    y = (x.to(torch.float32) * wt.to(torch.float32)).sum(1).to(x.dtype).to(torch.float32) * scale
+    y = transform((x.to(torch.float32) * wt.to(torch.float32)).sum(1).to(x.dtype).to(torch.float32), scale, softcap)
     return torch.where(has, y, torch.zeros_like(y))[None]

@@ -15,6 +15,12 @@ matmuls as the loss's own token chunks issue them (``_timing.chunked_matmuls`` a
 rows: what the 1 GiB chunk plan leaves to the Helion passes and small kernels), and the call's peak memory
 beyond its returned gradients. ``FLCE_CHUNK_MB`` (``Settings.from_env``) sets another chunk budget. Run it
 for both trees in one device call and compare the ratios (the matmul normalises machine drift).
+
+``--fwd-rounds K`` (run 22) also times the forward against the bare matmul *interleaved*: K rounds of
+(matmul, forward), each steady, and prints every round's ratio and their median. A single matmul
+timing from the start of the case against a forward timed seconds later (the line above) moved the
+forward ratio by up to 3% between processes on one machine (run 22: the bare matmul read 14.58 and
+15.03 ms at gemma realistic), more than the 5% bar's margin. ``--fwd-only`` skips the fwd+bwd part.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -65,6 +72,18 @@ def case_inputs(n: int, h: int, v: int, mode: str, sorted_vocab: bool = False,
     return x.requires_grad_(), w.requires_grad_(), t
 
 
+def interleaved_forward(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, rounds: int,
+                        reps: int) -> tuple[list[float], list[float]]:
+    """``rounds`` pairs of steady timings, the bare matmul ``x @ W.T`` then the loss's forward under
+    ``torch.no_grad()``, alternated so that both see the same clock and power state: ([ms], [ms])."""
+    mms, fwds = [], []
+    with torch.no_grad():
+        for _ in range(rounds):
+            mms.append(cuda_steady_ms(lambda: x.detach() @ w.detach().T, reps))
+            fwds.append(cuda_steady_ms(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), reps))
+    return mms, fwds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tag", required=True)
@@ -74,15 +93,34 @@ def main() -> None:
     ap.add_argument("--grad-forms", default="", help="e.g. chunk_grad,rowscale: each shape timed with each "
                     "Settings(grad_form=...) in turn, twice (A B A B), in this one process")
     ap.add_argument("--out", default="", help="also write ab_<tag>.csv there (one row per printed line)")
+    ap.add_argument("--fwd-rounds", type=int, default=0, help="also time the forward and the bare matmul "
+                    "interleaved, this many (matmul, forward) rounds, and print the median ratio")
+    ap.add_argument("--fwd-only", action="store_true", help="only the interleaved forward (needs --fwd-rounds)")
     bench_data.add_data_args(ap)
     args = ap.parse_args()
     bench_data.check_data_args(ap, args)
+    if args.fwd_only and args.fwd_rounds < 1:
+        ap.error("--fwd-only needs --fwd-rounds >= 1")
+    if args.fwd_rounds < 0:
+        ap.error(f"--fwd-rounds must be >= 0, got {args.fwd_rounds}")
     forms = [f for f in args.grad_forms.split(",") if f]
     csv_rows: list[dict] = []
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
     for shape, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
         x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)
         name = f"{shape:7} {mode:9}"
+        if args.fwd_rounds:
+            mms, fwds = interleaved_forward(x, w, t, args.fwd_rounds, args.reps)
+            ratios = [f / m for m, f in zip(mms, fwds)]
+            print(f"[{args.tag}] {name} fwd interleaved: matmul {statistics.median(mms):6.2f} ms  fwd "
+                  f"{statistics.median(fwds):6.2f} ms  median {statistics.median(ratios):.3f}x 1mm  rounds "
+                  + " ".join(f"{r:.3f}" for r in ratios), flush=True)
+            csv_rows.append(dict(tag=f"{args.tag}:fwd", shape=shape, data=mode, mm_ms=statistics.median(mms),
+                                 fwd_ms=statistics.median(fwds), ratio_1mm=statistics.median(ratios),
+                                 ratio_min=min(ratios), ratio_max=max(ratios), rounds=len(ratios)))
+            write_csv(csv_rows, f"ab_{args.tag.strip('.') or 'old'}.csv", [args.out] if args.out else [])
+            if args.fwd_only:
+                continue
 
         mm = cuda_time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         mm3, e3 = float("nan"), None

@@ -434,3 +434,38 @@ def test_cases_by_data_mode(tmp_path):
                 "target": torch.zeros(4, dtype=torch.int64)}, fx)
     assert bench_data.cases("qwen3", ["random", "trained"], SHAPES, str(fx)) == [("qwen3", "random", 4096, 151936),
                                                                   ("trained", "trained", 24, 77)]
+
+
+def test_ab_flce_interleaves_the_forward_with_its_matmul(monkeypatch):
+    """ab_flce.py --fwd-rounds: each round times the bare matmul, then the loss's forward (alternated,
+    so that both see the same power state), and returns the rounds in order; the loss really runs
+    (reference mode) and its value is the float64 reference's; --fwd-only without rounds is refused."""
+    import subprocess
+
+    import flce_dist
+    from flce_dist import reference
+
+    ab = pytest.importorskip("ab_flce")
+    flce_dist.setup_reference_mode()
+    seen, values = [], []
+
+    def fake_steady(fn, reps, calls=5):
+        out = fn()
+        kind = "mm" if out.dim() == 2 else "fwd"
+        seen.append(kind)
+        if kind == "fwd":
+            values.append(out)
+        return 2.0 + len(seen) if kind == "mm" else 3.0 + len(seen)
+
+    monkeypatch.setattr(ab, "cuda_steady_ms", fake_steady)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(13, 8, generator=g), torch.randn(37, 8, generator=g)
+    t = torch.randint(0, 37, (13,), generator=g)
+    mms, fwds = ab.interleaved_forward(x, w, t, 3, 2)
+    assert seen == ["mm", "fwd"] * 3
+    assert mms == [3.0, 5.0, 7.0] and fwds == [5.0, 7.0, 9.0]
+    want = reference.reference_loss(x.double(), w.double(), t)
+    torch.testing.assert_close(values[0].double(), want, rtol=1e-5, atol=1e-5)
+    r = subprocess.run([sys.executable, str(Path(ab.__file__)), "--tag", "x", "--fwd-only"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "--fwd-only needs --fwd-rounds >= 1" in r.stderr

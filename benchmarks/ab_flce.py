@@ -21,6 +21,11 @@ for both trees in one device call and compare the ratios (the matmul normalises 
 timing from the start of the case against a forward timed seconds later (the line above) moved the
 forward ratio by up to 3% between processes on one machine (run 22: the bare matmul read 14.58 and
 15.03 ms at gemma realistic), more than the 5% bar's margin. ``--fwd-only`` skips the fwd+bwd part.
+
+``--shard P`` (run 22) times rank 0's share of a P-way tensor-parallel split on this one GPU: its
+ceil(V / P) rows of W, the chunk rows each rank of a P-rank group plans, and the three distinct shard
+matmuls as the floor, without the collectives (the TP floor adds the dX all-reduce to both sides). It
+is an estimate for a machine without P GPUs, not a TP measurement (``bench_tp.py`` is that).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import statistics
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -84,6 +90,40 @@ def interleaved_forward(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, round
     return mms, fwds
 
 
+def rank_shard(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, p: int) -> tuple[torch.Tensor, ...]:
+    """Rank 0's work of a ``p``-way vocab split on this one GPU: ``(x, w_r, t_r, rows)`` with ``w_r``
+    the first ceil(V / p) rows of the full head (so a realistic shard keeps its slice of the full
+    distribution), targets folded into the shard (``t mod V_r``: where a target falls changes no
+    kernel's work) and the token rows per chunk that ``core.fused_plan`` gives each rank of a
+    ``p``-rank group (1/p of the single-GPU budget, ceil(V / p) columns; the row-scale form's
+    [rows, H] buffers charged). The collectives (stats all-gather, dX all-reduce) are not emulated."""
+    from flce_dist import rowscale
+    from flce_dist.chunking import chunk_rows
+
+    v_r = -(-w.shape[0] // p)
+    rows = chunk_rows(x.shape[0], v_r, x.element_size(), x.device, flce_dist.settings.current(), share=p,
+                      row_extra_bytes=rowscale.row_bytes(x.shape[1], x.dtype))
+    w_r = w.detach()[:v_r].clone().requires_grad_()
+    return x, w_r, t % v_r, rows
+
+
+def timed_cases(args) -> Iterator[tuple]:
+    """``(shape, mode, h, v, x, w, t)`` per case of ``--shapes`` x ``--data``; with ``--shard P`` one
+    rank's shard (:func:`rank_shard`), yielded *inside* ``settings.override(chunk_bytes=...)`` that
+    gives the loss that rank's chunk rows (the case runs while this generator is suspended there)."""
+    for shape, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
+        x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)
+        if args.shard <= 1:
+            yield shape, mode, h, v, x, w, t
+            continue
+        x, w, t, rows = rank_shard(x, w, t, args.shard)
+        v_r = w.shape[0]
+        with flce_dist.settings.override(chunk_bytes=rows * v_r * x.element_size()):
+            got = bench.chunk_plan(x, v_r)
+            assert got == rows, f"the emulated rank plans {got} rows per chunk, a {args.shard}-rank group {rows}"
+            yield f"{shape}/{args.shard}", mode, h, v_r, x, w, t
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tag", required=True)
@@ -95,19 +135,22 @@ def main() -> None:
     ap.add_argument("--out", default="", help="also write ab_<tag>.csv there (one row per printed line)")
     ap.add_argument("--fwd-rounds", type=int, default=0, help="also time the forward and the bare matmul "
                     "interleaved, this many (matmul, forward) rounds, and print the median ratio")
+    ap.add_argument("--shard", type=int, default=1, help="time rank 0's work of a P-way vocab split on this "
+                    "GPU (its ceil(V/P) rows of W and the chunk rows each rank of P plans; no collectives)")
     ap.add_argument("--fwd-only", action="store_true", help="only the interleaved forward (needs --fwd-rounds)")
     bench_data.add_data_args(ap)
     args = ap.parse_args()
     bench_data.check_data_args(ap, args)
     if args.fwd_only and args.fwd_rounds < 1:
         ap.error("--fwd-only needs --fwd-rounds >= 1")
+    if args.shard < 1:
+        ap.error(f"--shard must be >= 1, got {args.shard}")
     if args.fwd_rounds < 0:
         ap.error(f"--fwd-rounds must be >= 0, got {args.fwd_rounds}")
     forms = [f for f in args.grad_forms.split(",") if f]
     csv_rows: list[dict] = []
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
-    for shape, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
-        x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)
+    for shape, mode, h, v, x, w, t in timed_cases(args):
         name = f"{shape:7} {mode:9}"
         if args.fwd_rounds:
             mms, fwds = interleaved_forward(x, w, t, args.fwd_rounds, args.reps)

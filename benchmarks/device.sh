@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab fwdab tpab tune tunestore tunecls tunepers storeab chunksweep gradab gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
+#   bash benchmarks/device.sh tests rl tprl dtensor ab fwdab shardab tpab tune tunestore tunecls tunepers storeab chunksweep gradab gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
 # (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
 # (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
 # Logs and CSVs go to $OUT; the last lines printed are the tables.
@@ -56,6 +56,8 @@ for w in ${*:-tests bench}; do
           tag=$([ "$tree" = . ] && echo new || echo "$tree")
           PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 200 python3 benchmarks/ab_flce.py --tag "$tag" --fwd-only --fwd-rounds ${FWD_ROUNDS:-5} --reps 10 \
             --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\[" ; done | tee "$OUT/fwdab.log" ;;
+    shardab) timeout ${AB_TIMEOUT:-280} python3 benchmarks/ab_flce.py --tag "tp${SHARD:-2}rank" --shard ${SHARD:-2} --fwd-rounds 3 --reps ${AB_REPS:-10} \
+               --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\[" | tee "$OUT/shardab.log" ;;  # run 22: one TP rank's work on one GPU, no collectives
     tpab) for tree in ${AB_TREES:-.old .}; do  # TP=2 before/after (e.g. the per-call guard): flce vs its floor, same machine
           tag=$([ "$tree" = . ] && echo new || echo "$tree")
           PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --impls flce \

@@ -469,3 +469,42 @@ def test_ab_flce_interleaves_the_forward_with_its_matmul(monkeypatch):
     r = subprocess.run([sys.executable, str(Path(ab.__file__)), "--tag", "x", "--fwd-only"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "--fwd-only needs --fwd-rounds >= 1" in r.stderr
+
+
+def test_ab_flce_shard_emulates_one_rank(monkeypatch):
+    """ab_flce.py --shard P: rank 0's rows of the full head, targets folded into the shard, and each
+    case yielded inside the chunk budget that gives the loss the rank's chunk rows (bench.chunk_plan
+    agrees), the override gone after the case; --shard 1 leaves the case alone; --shard 0 is refused."""
+    import argparse
+    import subprocess
+
+    import flce_dist
+
+    ab = pytest.importorskip("ab_flce")
+    g = torch.Generator().manual_seed(9)
+    full = {}
+
+    def fake_inputs(n, h, v, mode, sorted_vocab=False, fixture=""):
+        full[mode] = (torch.randn(n, h, generator=g), torch.randn(v, h, generator=g), torch.randint(0, v, (n,), generator=g))
+        return full[mode]
+
+    monkeypatch.setattr(ab, "case_inputs", fake_inputs)
+    monkeypatch.setattr(ab, "SHAPES", {"odd": (24, 50001)})
+    args = argparse.Namespace(shapes="odd", data=["random", "realistic"], fixture="", sorted_vocab=False, n=3000, shard=2)
+    before = flce_dist.settings.current().chunk_bytes
+    seen = 0
+    for shape, mode, h, v, x, w, t in ab.timed_cases(args):
+        xf, wf, tf = full[mode]
+        assert shape == "odd/2" and h == 24 and v == 25001 and x is xf
+        assert torch.equal(w, wf[:25001]) and w.requires_grad and torch.equal(t, tf % 25001) and (tf >= 25001).any()
+        budget = flce_dist.settings.current().chunk_bytes
+        assert budget is not None and budget % (25001 * 4) == 0
+        assert ab.bench.chunk_plan(x, v) == budget // (25001 * 4) < 3000  # the rank's rows, several chunks
+        seen += 1
+    assert seen == 2 and flce_dist.settings.current().chunk_bytes == before
+    args.shard = 1
+    (case,) = [c for c in ab.timed_cases(argparse.Namespace(**{**vars(args), "data": ["random"]}))]
+    assert case[0] == "odd" and case[3] == 50001 and case[5] is full["random"][1]
+    r = subprocess.run([sys.executable, str(Path(ab.__file__)), "--tag", "x", "--shard", "0"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "--shard must be >= 1" in r.stderr

@@ -149,6 +149,7 @@ def main() -> None:
         ap.error(f"--fwd-rounds must be >= 0, got {args.fwd_rounds}")
     forms = [f for f in args.grad_forms.split(",") if f]
     csv_rows: list[dict] = []
+    fwd_rows: list[dict] = []  # --fwd-rounds: their own CSV (other columns)
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
     for shape, mode, h, v, x, w, t in timed_cases(args):
         name = f"{shape:7} {mode:9}"
@@ -158,10 +159,10 @@ def main() -> None:
             print(f"[{args.tag}] {name} fwd interleaved: matmul {statistics.median(mms):6.2f} ms  fwd "
                   f"{statistics.median(fwds):6.2f} ms  median {statistics.median(ratios):.3f}x 1mm  rounds "
                   + " ".join(f"{r:.3f}" for r in ratios), flush=True)
-            csv_rows.append(dict(tag=f"{args.tag}:fwd", shape=shape, data=mode, mm_ms=statistics.median(mms),
+            fwd_rows.append(dict(tag=args.tag, shape=shape, data=mode, mm_ms=statistics.median(mms),
                                  fwd_ms=statistics.median(fwds), ratio_1mm=statistics.median(ratios),
                                  ratio_min=min(ratios), ratio_max=max(ratios), rounds=len(ratios)))
-            write_csv(csv_rows, f"ab_{args.tag.strip('.') or 'old'}.csv", [args.out] if args.out else [])
+            write_csv(fwd_rows, f"ab_{args.tag.strip('.') or 'old'}_fwd.csv", [args.out] if args.out else [])
             if args.fwd_only:
                 continue
 

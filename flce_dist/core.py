@@ -17,8 +17,9 @@ one launch: the targets' shard-local ids and masks before it (``kernels/targets.
 its per-tile partials (``kernels/merge.py``), the loss, accuracy and lse rows after the statistics
 all-gather (``kernels/token_loss.py``) and, in the row-scale form, each chunk's scales and target
 entries (``kernels/row_prepare.py``): run 19 measured ~0.3 ms of small torch kernels per forward there.
-On sm_90 the row-scale pass's target logits come from their own launch (``kernels/target_dot.py``,
-the pass's bits, run 20) instead of a compare per element inside the pass.
+On sm_90 the logits passes without a bias (forward-only, logits store, row-scale store) take their
+target logits from their own launch (``kernels/target_dot.py``, the pass's bits; runs 20 and 22)
+instead of a compare per element inside the pass.
 
 * ``recompute`` (any reduction; forward-only / evaluation):
     forward   lse_forward kernel (x @ W.T tile by tile, never stored; or cuBLAS token chunks +

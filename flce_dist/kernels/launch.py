@@ -78,7 +78,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "dz_gated": {"block": {"block_n": 128, "block_v": 256, "block_h": 64},
                  "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8],
                             "pid_type": "persistent_interleaved"}},
-    # the row-scale pass's target logits: 64 programs at a 8192-row call; block_h is always the store
+    # the logits passes' target logits: 64 programs at a 8192-row call; block_h is always the calling
     # pass's own (the bits depend on it), set by lse_forward below
     "target_dot": {"block": {"block_n": 128, "block_h": 64}, "config": {"num_warps": 8, "num_stages": 3}},
 }

@@ -508,3 +508,45 @@ def test_ab_flce_shard_emulates_one_rank(monkeypatch):
     r = subprocess.run([sys.executable, str(Path(ab.__file__)), "--tag", "x", "--shard", "0"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "--shard must be >= 1" in r.stderr
+
+
+def test_ab_flce_main_writes_loss_and_forward_csvs(monkeypatch, tmp_path, capsys):
+    """ab_flce.main with --fwd-rounds and --shard (timers faked, the loss run for real in reference
+    mode): the loss rows and the interleaved forward rows go to two CSVs with their own columns (one
+    writer for both failed on the device in run 22), and the printed lines carry the shard's name."""
+    import flce_dist
+
+    ab = pytest.importorskip("ab_flce")
+    flce_dist.setup_reference_mode()
+    g = torch.Generator().manual_seed(13)
+
+    def fake_inputs(n, h, v, mode, sorted_vocab=False, fixture=""):
+        return (torch.randn(n, h, generator=g).requires_grad_(), torch.randn(v, h, generator=g).requires_grad_(),
+                torch.randint(0, v, (n,), generator=g))
+
+    def fake_timer(fn, reps, calls=5):
+        fn()
+        return 2.0
+
+    monkeypatch.setattr(ab, "case_inputs", fake_inputs)
+    monkeypatch.setattr(ab, "SHAPES", {"odd": (16, 1001)})
+    monkeypatch.setattr(ab, "cuda_steady_ms", fake_timer)
+    monkeypatch.setattr(ab, "cuda_time_ms", fake_timer)
+    monkeypatch.setattr(ab, "energy_j", lambda fn, *a, **k: None)
+    monkeypatch.setattr(ab, "peak_gib", lambda fn, x, w: 1.0)
+    monkeypatch.setattr(ab.torch.cuda, "empty_cache", lambda: None)
+    from flce_dist import _timing
+
+    monkeypatch.setattr(_timing, "RESULTS", tmp_path / "results")  # not the repository's benchmarks/results
+    monkeypatch.setattr(sys, "argv", ["ab_flce.py", "--tag", "t", "--shapes", "odd", "--data", "random", "--n", "37",
+                                      "--reps", "1", "--fwd-rounds", "2", "--shard", "2", "--out", str(tmp_path)])
+    ab.main()
+    out = capsys.readouterr().out
+    assert "[t] odd/2   random    fwd interleaved" in out and "[t] odd/2   random    flce" in out
+    with open(tmp_path / "ab_t.csv") as f:
+        (loss,) = list(csv.DictReader(f))
+    with open(tmp_path / "ab_t_fwd.csv") as f:
+        (fwd,) = list(csv.DictReader(f))
+    assert loss["shape"] == "odd/2" and float(loss["ratio_dist3"]) == 1.0 and "rounds" not in loss
+    assert fwd["shape"] == "odd/2" and fwd["rounds"] == "2" and float(fwd["ratio_1mm"]) == 1.0
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["ab_t.csv", "ab_t_fwd.csv"]

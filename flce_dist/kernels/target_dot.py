@@ -16,10 +16,10 @@ at llama3, qwen3 and gemma). Here each token tile's rows meet their gathered tar
 On the H200 (sm_90, wgmma) the diagonal equals the pass's target logit bit for bit when ``block_h``
 is the pass's: every output element of a tensor-core dot is the same sequence of products and adds,
 whatever the tile's width (run 20: 8960 of 8960 rows at llama3 and gemma, random and realistic;
-``tests/test_gpu.py`` checks it at eight cases over the three passes). So the loss and the accuracy output are unchanged.
-``launch.lse_forward`` uses it on sm_90 for every pass without a bias (target_dot adds none), where
-this was checked for all three (run 22: the forward-only pass with its own flattened persistent config,
-the fused logits store, a softcap of 30, bit for bit); other GPUs and reference mode
+``tests/test_gpu.py`` checks eight cases over the three passes). So the loss and the accuracy output
+are unchanged. ``launch.lse_forward`` uses it on sm_90 for every pass without a bias (target_dot adds
+none), where this was checked for all three (run 22: the forward-only pass with its own flattened
+persistent config, the fused logits store, a softcap of 30, bit for bit); other GPUs and reference mode
 (CPU, whose matmul blocking may round a [BN, BN] product apart from the pass's [BN, BV] one) keep the
 pass's own compare. Extra work: BN times the dot products needed, 2 N BN H flop (8.6 GFLOP at
 N = 8192, H = 4096, BN = 128) and one read of x and of the N gathered rows of W.

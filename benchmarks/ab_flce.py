@@ -94,15 +94,11 @@ def rank_shard(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, p: int) -> tup
     """Rank 0's work of a ``p``-way vocab split on this one GPU: ``(x, w_r, t_r, rows)`` with ``w_r``
     the first ceil(V / p) rows of the full head (so a realistic shard keeps its slice of the full
     distribution), targets folded into the shard (``t mod V_r``: where a target falls changes no
-    kernel's work) and the token rows per chunk that ``core.fused_plan`` gives each rank of a
-    ``p``-rank group (1/p of the single-GPU budget, ceil(V / p) columns; the row-scale form's
-    [rows, H] buffers charged). The collectives (stats all-gather, dX all-reduce) are not emulated."""
-    from flce_dist import rowscale
-    from flce_dist.chunking import chunk_rows
-
+    kernel's work) and the token rows per chunk that each rank of a ``p``-rank group plans
+    (``core.fused_plan_for``: 1/p of the single-GPU budget, ceil(V / p) columns). The collectives
+    (stats all-gather, dX all-reduce) are not emulated."""
     v_r = -(-w.shape[0] // p)
-    rows = chunk_rows(x.shape[0], v_r, x.element_size(), x.device, flce_dist.settings.current(), share=p,
-                      row_extra_bytes=rowscale.row_bytes(x.shape[1], x.dtype))
+    rows = bench.chunk_plan(x, w.shape[0], tp=p)
     w_r = w.detach()[:v_r].clone().requires_grad_()
     return x, w_r, t % v_r, rows
 
@@ -150,6 +146,7 @@ def main() -> None:
     forms = [f for f in args.grad_forms.split(",") if f]
     csv_rows: list[dict] = []
     fwd_rows: list[dict] = []  # --fwd-rounds: their own CSV (other columns)
+    stem, out_dirs = args.tag.strip(".") or "old", [args.out] if args.out else []
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
     for shape, mode, h, v, x, w, t in timed_cases(args):
         name = f"{shape:7} {mode:9}"
@@ -162,7 +159,7 @@ def main() -> None:
             fwd_rows.append(dict(tag=args.tag, shape=shape, data=mode, mm_ms=statistics.median(mms),
                                  fwd_ms=statistics.median(fwds), ratio_1mm=statistics.median(ratios),
                                  ratio_min=min(ratios), ratio_max=max(ratios), rounds=len(ratios)))
-            write_csv(fwd_rows, f"ab_{args.tag.strip('.') or 'old'}_fwd.csv", [args.out] if args.out else [])
+            write_csv(fwd_rows, f"ab_{stem}_fwd.csv", out_dirs)
             if args.fwd_only:
                 continue
 
@@ -204,7 +201,7 @@ def main() -> None:
                                  plan_vs_dist3=mmc / mm3, ratio_plan=ms / mmc, extra_gib=extra,
                                  energy_j=ej[0] if ej else float("nan"),
                                  energy_ratio=ej[0] / e3[0] if ej else float("nan")))
-            write_csv(csv_rows, f"ab_{args.tag.strip('.') or 'old'}.csv", [args.out] if args.out else [])
+            write_csv(csv_rows, f"ab_{stem}.csv", out_dirs)
         if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)
             from flce_dist import rowscale
 

@@ -174,9 +174,10 @@ def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
             break
 
 
-def chunk_plan(x: torch.Tensor, v: int, group=None) -> int:
+def chunk_plan(x: torch.Tensor, v: int, group=None, tp: int | None = None) -> int:
     """Token rows per chunk of flce's fused strategy for ``x`` and a vocabulary of ``v`` (the full one;
-    ``group``: its TP group, whose ranks each plan with ceil(V / P) columns and 1/P of the budget) under
+    ``group``: its TP group, whose ranks each plan with ceil(V / P) columns and 1/P of the budget;
+    ``tp``: the plan of each rank of a group of that size, without one: ``core.fused_plan_for``) under
     the current settings, 0 where this tree has no ``core.fused_plan``: the chunks
     ``_timing.chunked_matmuls`` then issues as cuBLAS work alone."""
     try:
@@ -185,7 +186,10 @@ def chunk_plan(x: torch.Tensor, v: int, group=None) -> int:
         from flce_dist.settings import current
     except ImportError:
         return 0
-    return core.fused_plan(x.shape[0], x, FLCEParams(0, v, LossOptions(), current()), group, False)
+    p = FLCEParams(0, v, LossOptions(), current())
+    if tp is not None:
+        return core.fused_plan_for(x.shape[0], x, p, tp, False)
+    return core.fused_plan(x.shape[0], x, p, group, False)
 
 
 def main() -> None:

@@ -172,11 +172,16 @@ def _row_scale_form(x: torch.Tensor, has_bias: bool, p: FLCEParams) -> bool:
 
 
 def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, has_bias: bool) -> int:
-    """Token rows per chunk of the fused strategy. Every rank must plan the same token chunks (one
-    stats all-gather per chunk): plan with the largest shard of an even split, ceil(V / P), not this
-    rank's own size, and 1/P of the budget. dX and dW are the returned gradients, so they are not
-    charged to the budget; the row-scale form's two [rows, H] buffers are."""
-    tp = group_size(group)
+    """Token rows per chunk of the fused strategy on ``group``: :func:`fused_plan_for` its size."""
+    return fused_plan_for(n, x, p, group_size(group), has_bias)
+
+
+def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bool) -> int:
+    """Token rows per chunk of the fused strategy on each rank of a ``tp``-rank group. Every rank must
+    plan the same token chunks (one stats all-gather per chunk): plan with the largest shard of an even
+    split, ceil(V / P), not this rank's own size, and 1/P of the budget. dX and dW are the returned
+    gradients, so they are not charged to the budget; the row-scale form's two [rows, H] buffers are.
+    (Apart from :func:`fused_plan` only benchmarks call it: one rank's plan emulated on one GPU.)"""
     extra = rowscale.row_bytes(x.shape[1], x.dtype) if _row_scale_form(x, has_bias, p) else 0
     return chunk_rows(n, -(-p.vocab_size // tp), x.element_size(), x.device, p.settings, share=tp,
                       row_extra_bytes=extra)

@@ -21,10 +21,10 @@ flt() { grep -v "DEBUG\|registered at"; }
 for w in ${*:-tests bench}; do
   case $w in
     tests) timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
-    tunestore) timeout 360 python3 -m flce_dist.tune --only lse_forward_store --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_store.log" | tail -14; cp configs/helion/h200.json "$OUT/" ;;
-    tunecls) timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class --only lse_forward,lse_forward_store --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_h${TUNE_H:-2304}.log" | grep -v failed | tail -28; cp configs/helion/h200.json "$OUT/" ;;
+    tunestore) timeout 360 python3 -m flce_dist.tune --only lse_forward_store --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_store.log" | tail -14; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
+    tunecls) timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class --only lse_forward,lse_forward_store --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_h${TUNE_H:-2304}.log" | grep -v failed | tail -28; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
     tunepers) for sh in "" "--h 2304 --v 262208 --shape-class --rows 1664"; do  # run 17: flattened persistent logits kernels, llama3 then gemma's class
-               timeout 200 python3 -m flce_dist.tune --candidates persistent --only lse_forward,lse_forward_store $sh --out configs/helion/h200.json 2>&1 | flt | tee -a "$OUT/tune_pers.log" | grep -v failed; done | tail -${TUNE_TAIL:-44}; cp configs/helion/h200.json "$OUT/" ;;
+               timeout 200 python3 -m flce_dist.tune --candidates persistent --only lse_forward,lse_forward_store $sh --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee -a "$OUT/tune_pers.log" | grep -v failed; done | tail -${TUNE_TAIL:-44}; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
     storeab) for cfg in "" benchmarks/results/run17/store_winner; do tag=$([ -n "$cfg" ] && echo run17store || echo shipped)  # run 17's puzzle: a faster store kernel, a slower loss
                FLCE_CONFIG_DIR=$cfg timeout 200 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\["
                FLCE_CONFIG_DIR=$cfg timeout 250 python3 benchmarks/kernel_profile.py --shapes llama3 --data ${AB_DATA:-random,realistic} 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
@@ -35,15 +35,15 @@ for w in ${*:-tests bench}; do
     gradbench) timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16 ;;
     eventprobe) for m in fb fwd; do timeout 280 python3 benchmarks/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"  # the loss split by CUDA events, no profiler
                  grep -q "=== event_probe summary" "$OUT/event_probe_$m.log" && sed -n '/=== event_probe summary/,$p' "$OUT/event_probe_$m.log" || tail -20 "$OUT/event_probe_$m.log"; done ;;
-    mergeprobe) timeout 150 python3 benchmarks/merge_probe.py --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/merge_probe.log" | tail -14; cp configs/helion/h200.json "$OUT/" ;;  # the partial merge's config (writes the winner)
+    mergeprobe) timeout 150 python3 benchmarks/merge_probe.py --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/merge_probe.log" | tail -14; cp flce_dist/configs/helion/h200.json "$OUT/" ;;  # the partial merge's config (writes the winner)
     epiprobe) timeout ${PROBE_TIMEOUT:-560} python3 benchmarks/epilogue_probe.py --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} ${PROBE_ARGS:-} 2>&1 | flt > "$OUT/epilogue_probe.log"  # run 20: the store pass's epilogue, part by part
               grep -q "=== epilogue_probe summary" "$OUT/epilogue_probe.log" && sed -n '/=== epilogue_probe summary/,$p' "$OUT/epilogue_probe.log" || tail -20 "$OUT/epilogue_probe.log" ;;
     optrace) timeout 200 python3 benchmarks/op_trace.py --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random} 2>&1 | flt > "$OUT/op_trace.log"  # run 21: the small ops and kernels of one call, by name
              grep "===\|CUDA kernels of one call" "$OUT/op_trace.log" ;;
     launchprobe) timeout 120 python3 benchmarks/launch_probe.py 2>&1 | flt | tee "$OUT/launch_probe.log" | tail -2 ;;  # where the profile's "idle" goes
     scaleprobe) timeout 90 python3 benchmarks/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
-    tunechunk) timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}; cp configs/helion/h200.json "$OUT/" ;;
-    tune) timeout 420 python3 -m flce_dist.tune --out configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp configs/helion/h200.json "$OUT/" ;;
+    tunechunk) timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
+    tune) timeout 420 python3 -m flce_dist.tune --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
     sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;
     bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -30 ;;
     benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
@@ -79,7 +79,7 @@ for w in ${*:-tests bench}; do
     tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
     rl) timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40} ;;
     tprl) timeout ${RL_TIMEOUT:-480} torchrun --nproc_per_node="$ngpu" benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/bench_rl_tp.log" | tail -${RL_TAIL:-40} ;;
-    filterprobe) timeout 300 python3 benchmarks/filter_probe.py --shapes ${PROBE_SHAPES:-llama3} --write-config configs/helion/h200.json --out "$OUT" 2>&1 | flt | tee "$OUT/filter_probe.log" | tail -${PROBE_TAIL:-30}; cp configs/helion/h200.json "$OUT/" ;;
+    filterprobe) timeout 300 python3 benchmarks/filter_probe.py --shapes ${PROBE_SHAPES:-llama3} --write-config flce_dist/configs/helion/h200.json --out "$OUT" 2>&1 | flt | tee "$OUT/filter_probe.log" | tail -${PROBE_TAIL:-30}; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
     benchfilter) timeout 330 python3 benchmarks/bench.py --impls ${BENCH_IMPLS:-flce,flce_filter,cce,cce_exact} --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_filter.log" | tail -${BENCH_TAIL:-30} ;;
     filtertrain) for e in "" auto; do tag=${e:-exact}  # the small model's loss curve, exact vs grad_filter_eps="auto" (1 GPU)
              NGPU=1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --overwrite --set parallel.tp=1 \

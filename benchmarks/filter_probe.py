@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--skip-stats", action="store_true")
     ap.add_argument("--candidates", default="all", choices=list(CANDIDATES))
     ap.add_argument("--out", default=None)
-    ap.add_argument("--write-config", default=None, help="configs/helion/<arch>.json: store the fastest masked_mm "
+    ap.add_argument("--write-config", default=None, help="flce_dist/configs/helion/<arch>.json: store the fastest masked_mm "
                     "entries (one mask block shape for dX and dW, each op its own block_h and config)")
     a = ap.parse_args()
     dev = torch.device("cuda")

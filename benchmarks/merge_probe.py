@@ -1,6 +1,6 @@
 """A small search for the partial merge's config (``kernels/merge.py``) at the benchmark shapes.
 
-    python3 benchmarks/merge_probe.py [--out configs/helion/h200.json]
+    python3 benchmarks/merge_probe.py [--out flce_dist/configs/helion/h200.json]
 
 Why: run 19's event probe timed the first config (64 columns x 32 tiles per step) at 0.07 ms per
 forward at llama3 (torch's ~12 kernels: 0.12) but 0.13 ms per chunk at gemma (torch: 0.08): a

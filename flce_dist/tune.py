@@ -1,6 +1,6 @@
 """Bounded config search for the Helion kernels (never a full autotune).
 
-    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--only lse_forward_store] [--shape-class] [--out configs/helion/h200.json]
+    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--only lse_forward_store] [--shape-class] [--out flce_dist/configs/helion/h200.json]
 
 Times a short, hand-picked list of block sizes and ``helion.Config`` fields per kernel on
 representative inputs (random, never zeros; warm-up, median of CUDA-event timings), prints each

@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Set up a fresh CPU machine: .venv with the project (editable), tests, training and DeepSpeed.
-# Used by the README's first command and by .ci/run.
+# Set up a fresh CPU machine: .venv with the project (editable), tests, training, DeepSpeed and the
+# framework adapters' frameworks (torchtitan, TRL, verl). Used by the README's first command and by
+# .ci/run. Exact versions come from constraints-cpu.txt (the library itself declares ranges).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 t0=$(date +%s)
 [ -x .venv/bin/python ] || python3 -m venv .venv
-# torch==2.13.0 is pinned in pyproject.toml, so pip takes the CPU wheel on disk, never a CUDA build.
-.venv/bin/pip install -q -e '.[test,train]'
+pip=(.venv/bin/pip install -q -c constraints-cpu.txt)
+# constraints-cpu.txt pins torch==2.13.0, so pip takes the CPU wheel on disk, never a CUDA build.
+"${pip[@]}" -e '.[test,train]'
 # DeepSpeed 0.19.8 is an sdist that imports torch at build time: no build isolation, no ops built.
-.venv/bin/pip install -q setuptools wheel
-DS_BUILD_OPS=0 .venv/bin/pip install -q --no-build-isolation 'deepspeed==0.19.8'
+"${pip[@]}" setuptools wheel
+DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation 'deepspeed==0.19.8'
+# Framework adapters. TRL with its dependencies (datasets 5.x); torchtitan 0.3.0 pins datasets<4.8,
+# which conflicts, so it goes in with --no-deps: its loss components and models import no datasets.
+"${pip[@]}" 'trl==1.16.0'
+"${pip[@]}" --no-deps 'torchtitan==0.3.0' 'spmd_types==0.2.3'
+[ -f launch/requirements-adapters.txt ] && "${pip[@]}" -r launch/requirements-adapters.txt
 echo "setup: $(( $(date +%s) - t0 )) s"
 case "$(.venv/bin/python -c 'import torch; print(torch.version.cuda)')" in
   None) ;;

@@ -1,6 +1,6 @@
 """Kernel launch: shipped configs, block sizes, and the typed entry points the autograd core calls.
 
-Configs live in ``configs/helion/<arch>.json`` (arch: ``h200`` for sm_90, ``sm<major><minor>`` for
+Configs live in ``flce_dist/configs/helion/<arch>.json`` (arch: ``h200`` for sm_90, ``sm<major><minor>`` for
 other GPUs, ``cpu`` for reference mode; another directory through ``Settings.config_dir``): for each
 kernel and dtype class a ``block`` dict (block sizes, passed to the kernel as constexpr arguments so
 that reference mode also runs several tiles) and a ``config`` dict (``helion.Config`` fields). A first
@@ -46,7 +46,7 @@ from ..settings import Settings
 # lse_forward's ``store`` constexpr (literals in the kernel)
 STORE_NONE, STORE_LOGITS, STORE_EXP = 0, 1, 2
 
-DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent.parent / "configs" / "helion"
+DEFAULT_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "helion"  # package data (pyproject)
 
 # Built-in defaults, used where no config file is found (e.g. an installed wheel without configs/).
 DEFAULTS: dict[str, dict[str, Any]] = {

@@ -7,6 +7,7 @@ this signature lists them as keywords for readers and IDEs (and passes them on i
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 
 import torch
@@ -58,13 +59,19 @@ def _check_shapes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
     h = hidden.shape[-1]
     if weight.shape[1] != h:
-        raise ValueError(f"weight hidden size {weight.shape[1]} does not match hidden's last dim {h}")
+        hint = (" (weight looks transposed: pass it as [V, H], like nn.Linear.weight, not [H, V])"
+                if weight.shape[0] == h else "")
+        raise ValueError(f"weight hidden size {weight.shape[1]} does not match hidden's last dim {h}{hint}")
     if h == 0:
         raise ValueError("hidden has hidden size H=0: the logits would all be 0; pass at least one feature")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 (or int32) class ids, got {target.dtype}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}")
+        hint = (" (the arguments are (hidden, weight, target); Liger's loss modules take (weight, hidden, target), "
+                "and weight is [V, H] like nn.Linear.weight)"
+                if hidden.dim() == 2 and target.dim() == 1 and target.shape[0] == weight.shape[0] else "")
+        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden's leading shape "
+                         f"{tuple(hidden.shape[:-1])}{hint}")
     if target.device != hidden.device:
         raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
     if bias is not None:
@@ -72,6 +79,21 @@ def _check_shapes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
             raise ValueError(f"bias must have shape [{weight.shape[0]}] (V_local), got {tuple(bias.shape)}")
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise TypeError(f"bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
+
+
+def _autocast_device(hidden: torch.Tensor) -> torch.dtype | None:
+    """The autocast dtype in force for ``hidden``'s device type, or None."""
+    dev = hidden.device.type
+    if dev not in ("cuda", "cpu", "xpu", "mps") or not torch.is_autocast_enabled(dev):
+        return None
+    return torch.get_autocast_dtype(dev)
+
+
+def _autocast_cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Autocast's cast of a float input (float64 is left alone, as autocast does)."""
+    if t is None or t.dtype == dtype or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return t
+    return t.to(dtype)
 
 
 def _num_items(num_items_in_batch: object, device: torch.device) -> torch.Tensor | None:
@@ -147,8 +169,15 @@ def fused_linear_cross_entropy(
     ``y`` (temperature, softcap), float32, 0 for ignored tokens, differentiable (its gradient flows
     into hidden, weight and bias with the loss's, in the same backward pass over the vocabulary).
     Always in this order, each present only when asked for: ``loss[, lse][, correct][, entropy]``.
-    With ``reduction="none"`` the per-token loss is ``-log p(target)`` (no label smoothing or z-loss):
-    the log-probabilities with their gradient (see :func:`logprobs_and_entropy`). The entropy needs
+    With ``reduction="none"`` the per-token losses, label smoothing and z-loss included when set;
+    without them they are ``-log p(target)``: the log-probabilities with their gradient (see
+    :func:`logprobs_and_entropy`). ``num_items_in_batch`` goes with ``reduction="mean"`` only
+    (``sum / num_items_in_batch``); with ``"sum"`` or ``"none"`` it raises.
+
+    Autocast: under ``torch.autocast`` the call follows autocast's rule for ``linear``: float
+    ``hidden``, ``weight`` and ``bias`` are cast to the autocast dtype (e.g. an fp32 master weight
+    with a bf16 hidden), the loss is computed in it, and each input's gradient comes back in its
+    own dtype. The entropy needs
     the ``recompute`` strategy's backward (4 matmuls instead of 3; ``strategy`` is then ignored).
 
     ``deterministic=True``: bitwise identical loss and gradients from run to run on every rank. One
@@ -178,6 +207,12 @@ def fused_linear_cross_entropy(
     target = _check_tensor("target", target)
     if bias is not None:
         bias = _check_tensor("bias", bias)
+    if num_items_in_batch is not None and options.reduction != "mean":
+        raise ValueError(f"num_items_in_batch goes with reduction='mean' (the sum over it); with "
+                         f"reduction={options.reduction!r} it would be ignored: leave it None")
+    autocast = _autocast_device(hidden)
+    if autocast is not None:  # autocast's rule for linear: compute in its dtype, gradients cast back
+        hidden, weight, bias = (_autocast_cast(t_, autocast) for t_ in (hidden, weight, bias))
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)
@@ -197,6 +232,9 @@ def fused_linear_cross_entropy(
     x = hidden.reshape(-1, h)
     needs_grad = torch.is_grad_enabled() and any(t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
     compiling = torch.compiler.is_compiling()
+    if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
+        raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
+                         "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)")
     if group is None:  # no collective: stays inside a compiled graph
         (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
                                                        vocab_size=vocab_size), "", 1
@@ -216,15 +254,17 @@ def fused_linear_cross_entropy(
     if not torch.is_grad_enabled():
         options = options.replace(strategy="recompute")  # evaluation: statistics only, one matmul
     options = options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
-    if compiling and not options.sequence_parallel and dt is None:
-        # under torch.compile: the custom op (compile_op.py), one graph, no break
-        loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
-                                                FLCEParams.encode(start, vocab, options, settings), needs_grad,
-                                                group_name)
-    else:
-        params = FLCEParams(start, vocab, options, settings)
-        loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items, params,
-                                         group)
+    # the inputs are in the autocast dtype already; the core's own float32 matmuls must stay float32
+    with torch.autocast(hidden.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
+        if compiling and not options.sequence_parallel and dt is None:
+            # under torch.compile: the custom op (compile_op.py), one graph, no break
+            loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(),
+                                                    num_items, FLCEParams.encode(start, vocab, options, settings),
+                                                    needs_grad, group_name)
+        else:
+            params = FLCEParams(start, vocab, options, settings)
+            loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
+                                             params, group)
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):

@@ -33,12 +33,17 @@ class FLCEFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, num_items, p, group):
-        needs_grad = any(ctx.needs_input_grad[:3])
+        need = ctx.needs_input_grad
+        needs_grad = any(need[:3])
+        # only the gradients some input needs: a frozen lm_head (LoRA / PEFT) skips the dW matmul
+        # and buffer, a hidden without a gradient the dX matmul and its all-reduce
+        ctx.need_dx, ctx.need_dw = bool(need[0]), bool(need[1] or need[2])
         loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all) = flce_forward(
-            hidden, weight, bias, target, num_items, p, group, needs_grad)
+            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw)
         if needs_grad:
-            # inputs cost nothing to keep; they let a second backward (retain_graph, gradcheck)
-            # of the fused strategy recompute, once its precomputed gradients were handed out
+            # inputs cost nothing to keep (x is this rank's hidden, also under sequence parallelism);
+            # they let a second backward (retain_graph, gradcheck) of the fused strategy recompute,
+            # once its precomputed gradients were handed out
             ctx.save_for_backward(x, weight, bias, tl, lse_all, valid, num_items, ent_all)
         ctx.set_materialize_grads(False)
         if ent is None:
@@ -64,6 +69,7 @@ class FLCEFunction(torch.autograd.Function):
             dx, dw, db = scale_precomputed(dx if need[0] else None, dw if need[1] else None,
                                            db if need[2] else None, grad_loss, ctx.w_dtype, settings=ctx.p.settings)
             return dx, dw, db, None, None, None, None
-        dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent)
+        dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent,
+                                     ctx.need_dx, ctx.need_dw)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
                 None, None, None, None)

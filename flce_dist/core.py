@@ -68,7 +68,7 @@ from .distributed import (all_gather_rows, all_reduce_async, all_reduce_determin
 from .distributed.guard import call_guard, raise_if_failed, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
-from . import rowscale
+from . import accumulate, rowscale
 from .options import FLCEParams
 from .settings import Settings
 from .vocab_order import VocabOrder
@@ -128,7 +128,7 @@ class _Guard:
     ``ignore_index`` (``kernels/targets.py``; their loss becomes NaN)."""
 
     def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
-                 group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool) -> None:
+                 group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool | tuple) -> None:
         self.x, self.tgt, self.bad, self.p, self.rows = x, tgt, bad, p, rows
         self.has_bias, self.needs_grad = has_bias, needs_grad
         self.raise_ok = can_raise(x, p)
@@ -188,9 +188,12 @@ def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bo
 
 
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                           g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, rows: int, guard: _Guard):
+                           g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, rows: int, guard: _Guard,
+                           need_dx: bool = True, need_dw: bool = True):
     """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
-    token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded)."""
+    token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded). ``need_dx`` False (a
+    hidden that needs no gradient): no dX matmul and no dX all-reduce, dX is None; ``need_dw`` False
+    (a frozen lm_head: LoRA / PEFT): no dW matmul and no dW buffer, dW and db are None."""
     n, _ = x.shape
     v = w.shape[0]
     eps = p.options.filter_eps(x.dtype)
@@ -199,11 +202,17 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         order = VocabOrder.by_mean_logit(x, w, b, g.abs())
         w, b, tl = order.rows(w), order.rows(b), order.targets(tl)
     stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
-    dx = torch.empty_like(x)
-    dw = torch.empty_like(w)  # the first chunk writes it (no zero fill), later chunks accumulate
-    if n == 0:
+    dx = torch.empty_like(x) if need_dx else None
+    # a 16-bit dW over several token chunks accumulates in float32 (accumulate.py); the filter's
+    # block-sparse dW kernel accumulates in the weight's dtype
+    acc32 = (need_dw and not eps and n > 0
+             and accumulate.uses_float32(w.dtype, -(-n // max(1, rows)), p.settings))
+    acc = accumulate.Float32DW(v, w.shape[1], w.dtype, w.device) if acc32 else None
+    # the first chunk writes dW (no zero fill), later chunks accumulate
+    dw = torch.empty_like(w) if need_dw and acc is None else None
+    if n == 0 and dw is not None:
         dw.zero_()
-    db = torch.zeros(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None else None
+    db = torch.zeros(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None and need_dw else None
     kw = _grad_kw(p)
     handles = []
     sp = p.sequence_parallel
@@ -215,7 +224,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     for i in range(0, n, rows):
         xc, tc, gc = x[i:i + rows], tl[i:i + rows], g[i:i + rows]
         z = zbuf[: xc.shape[0]]
-        dxc = dx[i:i + rows]
+        dxc = dx[i:i + rows] if need_dx else None
         xw = xc  # the dW matmul's x operand (the row-scale form's: c x)
         if rs:  # the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
             rc = ref[i:i + rows]
@@ -235,50 +244,65 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             K.dz_gated(xc, w, z, tc, lse, gc, gate, p.logit_scale, 2.0 * p.z_loss, p.settings)
             # E' @ W in float32, then dX = c (E' @ W) rounded once (p_t - 1 is not cancelled in bf16),
             # and the dW operand c x, in one pass
-            xw = torch.empty_like(xc)
-            K.row_scale(torch.mm(z, w, out_dtype=torch.float32), xc, c, dxc, xw, p.settings)
+            if need_dx:
+                xw = torch.empty_like(xc)
+                K.row_scale(torch.mm(z, w, out_dtype=torch.float32), xc, c, dxc, xw, p.settings)
+            else:  # frozen hidden: only the dW operand c x (rowscale.scaled_rows: no E' @ W matmul)
+                xw = rowscale.scaled_rows(xc, c)
         elif eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
             keep = K.chunk_grad_filtered_(z, tc, lse, gc, gc.abs(), eps, **kw)
-            K.dx_masked(z, w, keep, dxc, False, p.settings)
+            if need_dx:
+                K.dx_masked(z, w, keep, dxc, False, p.settings)
         else:
             K.chunk_grad_(z, tc, lse, gc, **kw)
-            torch.mm(z, w, out=dxc)
-        if not sp and not p.deterministic:
+            if need_dx:
+                torch.mm(z, w, out=dxc)
+        if need_dx and not sp and not p.deterministic:
             h = all_reduce_async(dxc, group)
             if h is not None:
                 handles.append(h)
-        if keep is not None:
+        if not need_dw:
+            pass
+        elif keep is not None:
             K.dw_masked(z, xc, keep, dw, i > 0, p.settings)
+        elif acc is not None:
+            acc.add(z, xw, i == 0)
         elif i == 0:
             torch.mm(z.T, xw, out=dw)
         else:
             dw.addmm_(z.T, xw)
         if db is not None:
             db += z.sum(0, dtype=db.dtype)
+    zbuf = None
+    if acc is not None:
+        dw = acc.finish()
     if order is not None:  # back to the shard's row order (the sorted copy of W is released first)
-        w = b = zbuf = None
+        w = b = None
         dw, db = order.restore(dw), order.restore(db)
     for h in handles:
         h.wait()
-    if p.deterministic and not sp:
+    if need_dx and p.deterministic and not sp:
         all_reduce_deterministic_(dx, group)
     return stats, dx, dw, db
 
 
 def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                        lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
-                       mu: torch.Tensor | None = None, gh: torch.Tensor | None = None):
+                       mu: torch.Tensor | None = None, gh: torch.Tensor | None = None,
+                       need_dx: bool = True, need_dw: bool = True):
     """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks; with ``mu``,
-    ``gh`` [N] the entropy's gradient in the same pass."""
+    ``gh`` [N] the entropy's gradient in the same pass. ``need_dx`` / ``need_dw`` False: that
+    gradient is None and its matmuls (and, for dX, the all-reduce and the float32 accumulator) are
+    skipped: a frozen lm_head costs 2 matmuls, a hidden without a gradient 3 and no collective."""
     n, _ = x.shape
     v = w.shape[0]
     acc = acc_dtype(x.dtype)
     # the float32 dX accumulator is the one buffer besides the chunk that is not a returned gradient
-    cols = chunk_rows(v, n, x.element_size(), x.device, p.settings, reserved_bytes=x.numel() * acc.itemsize,
-                      share=group_size(group))
-    dx = torch.zeros(x.shape, dtype=acc, device=x.device)
-    dw = torch.empty_like(w)
-    db = torch.empty(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None else None
+    cols = chunk_rows(v, n, x.element_size(), x.device, p.settings,
+                      reserved_bytes=x.numel() * acc.itemsize if need_dx else 0, share=group_size(group))
+    dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx else None
+    dw = torch.empty_like(w) if need_dw else None
+    db = torch.empty(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None and need_dw else None
     kw = _grad_kw(p)
     handle = None
     out = dx
@@ -290,7 +314,8 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         tl = order.targets(tl)
     if n == 0:
         v = 0
-        dw.zero_()
+        if dw is not None:
+            dw.zero_()
         if db is not None:
             db.zero_()
     for j in range(0, v, cols):
@@ -302,15 +327,19 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         keep = None
         if order is not None:
             keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
-            K.dx_masked(z, wc, keep, dx, True, p.settings)
+            if need_dx:
+                K.dx_masked(z, wc, keep, dx, True, p.settings)
         else:
             K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
-            dx += torch.mm(z, wc)
-        if j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
+            if need_dx:
+                dx += torch.mm(z, wc)
+        if need_dx and j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
             out = dx.to(x.dtype)
             if not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
-        if keep is not None:  # sorted rows, written back to the shard's order
+        if not need_dw:
+            pass
+        elif keep is not None:  # sorted rows, written back to the shard's order
             order.put(dw, j, K.dw_masked(z, x, keep, torch.empty_like(wc), False, p.settings))
         else:
             torch.mm(z.T, x, out=dw[j:j + cols])
@@ -320,25 +349,29 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 order.put(db, j, dbc)
             else:
                 db[j:j + cols] = dbc
-    if v == 0:
+    if need_dx and v == 0:
         out = dx.to(x.dtype)
         if not p.sequence_parallel and not p.deterministic:
             handle = all_reduce_async(out, group)
     if handle is not None:
         handle.wait()
-    if p.deterministic and not p.sequence_parallel:
+    if need_dx and p.deterministic and not p.sequence_parallel:
         all_reduce_deterministic_(out, group)
-    return out, dw, db
+    return (out if need_dx else None), dw, db
 
 
 def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                 num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool):
+                 num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool,
+                 need_dx: bool = True, need_dw: bool = True):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
     tokens; None without ``return_entropy``); ``pre`` = (dX, dW, db) formed by the fused strategy
     (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid, entropy of
-    all rows or None), what the recompute backward needs."""
+    all rows or None), what the recompute backward needs; under sequence parallelism ``x`` is this
+    rank's ``hidden`` (not the gathered ``[P n, H]``): :func:`recompute_grads` gathers it again, as
+    Megatron's sequence-parallel linears do. ``need_dx`` / ``need_dw``: which gradients the fused
+    strategy forms (the others are None in ``pre``)."""
     sp = p.sequence_parallel and group_size(group) > 1
     x = all_gather_rows(hidden, group) if sp else hidden
     tgt = all_gather_rows(target, group) if sp else target
@@ -349,11 +382,12 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     pre = None
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None) if fused else 0
-    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, needs_grad)
+    # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
+    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw))
     if fused:
         g = row_weights(valid, p, num_items, acc_dtype(x.dtype), denom)
-        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard)
-        if sp:
+        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard, need_dx, need_dw)
+        if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
     else:
@@ -378,7 +412,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if p.return_entropy:
         ent_all = torch.where(valid, stats[:, 4], torch.zeros_like(stats[:, 4]))
         ent = ent_all[rank_slice].clone()
-    return loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all)
+    return loss, lse, correct, ent, pre, (hidden if sp else x, tl, lse_all, valid, ent_all)
 
 
 def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,
@@ -404,11 +438,15 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
 def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
                     valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
                     group: dist.ProcessGroup | None, ent: torch.Tensor | None = None,
-                    grad_ent: torch.Tensor | None = None):
-    """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype).
-    ``ent`` [N] (all rows) and ``grad_ent`` [N_in] (this rank's rows): the entropy and its incoming
-    gradient, when the entropy was returned and used."""
+                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True):
+    """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype;
+    None for a gradient not needed). ``x``: this rank's hidden under sequence parallelism
+    (all-gathered here again: one more all-gather, instead of keeping [P n, H] between forward and
+    backward). ``ent`` [N] (all rows) and ``grad_ent`` [N_in] (this rank's rows): the entropy and
+    its incoming gradient, when the entropy was returned and used."""
     sp = p.sequence_parallel and group_size(group) > 1
+    if sp:
+        x = all_gather_rows(x, group)
     g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
     if p.reduction == "none":
         go = grad_loss.to(g.dtype)
@@ -422,7 +460,7 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
         gh = all_gather_rows(gh.contiguous(), group) if sp else gh
         gh = torch.where(valid, gh, torch.zeros_like(gh)).contiguous()
         mu = (lse - ent).contiguous()
-    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh)
-    if sp:
+    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh, need_dx, need_dw)
+    if sp and dx is not None:
         dx = reduce_scatter_rows(dx, group, p.deterministic)
     return dx, dw, None if db is None else db.to(w.dtype)

@@ -114,3 +114,9 @@ def prepare_reference(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r:
     idx = torch.arange(e.shape[0], device=e.device) * e.shape[1] + tl.clamp(min=0).to(torch.int64)
     flat[idx] = torch.where(has_t, et.to(e.dtype), flat[idx])  # rows without a local target: unchanged
     return c, gate
+
+
+def scaled_rows(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The dW operand ``round(x * c[:, None])`` alone (``kernels/row_scale.py``'s second output), for
+    a call whose hidden needs no gradient: no ``E' @ W`` matmul, no dX."""
+    return (x.to(c.dtype) * c[:, None]).to(x.dtype)

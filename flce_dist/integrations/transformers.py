@@ -296,6 +296,9 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
         raise TypeError(f"model must be a transformers PreTrainedModel (*ForCausalLM), got {type(model).__name__}")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    if model.get_output_embeddings() is None and hasattr(model, "layers"):
+        raise TypeError(f"model is a bare {type(model).__name__} (no lm_head): pass a *ForCausalLM "
+                        f"(e.g. {type(model).__name__.replace('Model', '')}ForCausalLM), whose lm_head the loss uses")
     model_type = _model_type(model)
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
         raise ValueError(f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}")

@@ -9,6 +9,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import accumulate
+from .settings import Settings
+
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 # the SPEC's benchmark shapes (H, V) and the dtypes the benchmarks and the tuner take by name
 SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262208)}
@@ -81,19 +84,26 @@ def chunked_matmuls(x: torch.Tensor, w: torch.Tensor, rows: int) -> Callable[[],
     if not 0 < rows:
         raise ValueError(f"rows must be positive, got {rows}")
     buf = torch.empty(min(rows, n), v, device=x.device, dtype=x.dtype)
-    dw = torch.empty_like(w)
+    # the loss's dW accumulator (accumulate.py): float32 halves for a 16-bit weight from 3 chunks on
+    acc32 = accumulate.uses_float32(w.dtype, -(-n // rows), Settings())
+    dw = None if acc32 else torch.empty_like(w)
 
     def run() -> None:
+        acc = accumulate.Float32DW(v, w.shape[1], w.dtype, w.device) if acc32 else None
         for i, s in enumerate(range(0, n, rows)):
             xc = x[s:s + rows]
             e = buf[:xc.shape[0]]
             torch.mm(xc, w.T, out=e)
             # float32 out, as the loss's (whose row_scale then reads it); the CPU has no mm.dtype (tests)
             torch.mm(e, w, out_dtype=torch.float32) if e.is_cuda else torch.mm(e, w).float()
-            if i == 0:
+            if acc is not None:
+                acc.add(e, xc, i == 0)
+            elif i == 0:
                 torch.mm(e.T, xc, out=dw)
             else:
                 dw.addmm_(e.T, xc)
+        if acc is not None:
+            acc.finish()
 
     run.buffers = (buf, dw)  # type: ignore[attr-defined]  (for tests)
     return run

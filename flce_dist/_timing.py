@@ -84,7 +84,7 @@ def chunked_matmuls(x: torch.Tensor, w: torch.Tensor, rows: int) -> Callable[[],
     if not 0 < rows:
         raise ValueError(f"rows must be positive, got {rows}")
     buf = torch.empty(min(rows, n), v, device=x.device, dtype=x.dtype)
-    # the loss's dW accumulator (accumulate.py): float32 halves for a 16-bit weight from 3 chunks on
+    # the loss's dW accumulator (accumulate.py): float32 halves where the loss uses them (accumulate.uses_float32)
     acc32 = accumulate.uses_float32(w.dtype, -(-n // rows), Settings())
     dw = None if acc32 else torch.empty_like(w)
 

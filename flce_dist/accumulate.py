@@ -25,9 +25,12 @@ import torch
 from .settings import Settings
 
 _SIXTEEN = (torch.bfloat16, torch.float16)
-# Token chunks from which "auto" accumulates in float32: at 2 chunks bf16 accumulation is 1.16x the
-# one-chunk error (within the 1.2x bound), at 3 chunks 1.31x.
-AUTO_MIN_CHUNKS = 3
+# Token chunks from which "auto" accumulates in float32. Measured (benchmarks/NOTES.md, run 23):
+# on the H200 at llama3 (random data) bf16 accumulation was 1.07x the float32 error at 3 chunks and
+# 1.11x at 8; on CPU with peaked softmax-shaped dz 1.16x / 1.31x / 1.71x at 2 / 3 / 6 chunks. The
+# float32 halves cost 2 V_r H bytes (1 GiB at llama3, TP=1) and 3-10% time, which the default plans
+# of the SPEC shapes (3-5 chunks, under the 1 GiB bar) do not pay; longer sequences do.
+AUTO_MIN_CHUNKS = 6
 _BLOCK_BYTES = 32 << 20  # the in-place conversion's row blocks (a temporary of this size)
 
 
@@ -84,5 +87,5 @@ class Float32DW:
             b = min(self.split, a + rows)
             out[a:b] = lo[a:b].to(self.dtype)
         if hi.numel():  # out rows [split, v) overlap lo's rows [split/2, v/2): all consumed above
-            out[self.split:] = hi.to(self.dtype)
+            out[self.split:].copy_(hi)  # converts in the copy: no temporary of hi's size
         return out

@@ -375,7 +375,7 @@ def test_chunked_matmuls_models_the_loss_plan():
     """``_timing.chunked_matmuls`` is a floor only while it issues the loss's own cuBLAS work: traced
     (op_trace) on one fused call with a 3-chunk plan, the loss runs per chunk one float32-out dX
     matmul, the first chunk writes dW and the later ones ``addmm_`` into it (plus one reference-sample
-    matmul; dW in the float32 accumulator's two halves); the model runs the same dW ops and one logits matmul per chunk where the loss runs its
+    matmul); the model runs the same dW ops and one logits matmul per chunk where the loss runs its
     Helion pass. A change to the loss's matmul structure fails here until the model follows it."""
     import flce_dist
     from flce_dist import core
@@ -396,10 +396,8 @@ def test_chunked_matmuls_models_the_loss_plan():
     lc = {op: c for (where, op), c in loss.counts.items() if not where}
     mc = {op: c for (where, op), c in model.counts.items() if not where}
     assert lc.get("aten.mm.dtype") == chunks  # dX = E' @ W in float32 (the CPU model: mm, then .float())
-    # dW: the float32 accumulator's two halves (accumulate.py: bf16, 3 chunks), written by the first
-    # chunk and added into by the later ones
-    assert lc.get("aten.addmm_.default") == mc.get("aten.addmm_.default") == 2 * (chunks - 1)
-    assert lc.get("aten.mm.out") == 2 and mc.get("aten.mm.out") == chunks + 2  # + the model's logits
+    assert lc.get("aten.addmm_.default") == mc.get("aten.addmm_.default") == chunks - 1
+    assert lc.get("aten.mm.out") == 1 and mc.get("aten.mm.out") == chunks + 1  # dW written once; + the logits
     assert lc.get("aten.mm.default") == 1 and mc.get("aten.mm.default") == chunks  # the reference; the model's dX
 
 

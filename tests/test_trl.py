@@ -194,7 +194,8 @@ def _grpo_run(seed=0):
                           max_completion_length=4, max_steps=3, num_iterations=2, learning_rate=5e-2,
                           temperature=0.7, logging_steps=1, report_to="none", save_strategy="no", seed=seed,
                           bf16=False, dataloader_num_workers=0, disable_tqdm=True)
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=_tokenizer(48))
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                              processing_class=_tokenizer(48))
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry and "entropy" in entry]
     updates = {n: p.detach() - before[n] for n, p in model.named_parameters()}

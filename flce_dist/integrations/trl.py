@@ -125,7 +125,7 @@ def _keeps_shard(t: object) -> bool:
     mode = _state.get("dtensor", "gather")
     if mode == "gather" or not isinstance(t, DTensor) or not _vocab_shard_layout(t):
         return False
-    return True
+    return mode == "shard" or not _is_fsdp2_param(t)
 
 
 class _GatherCheck(type):

@@ -41,11 +41,6 @@ def uses_float32(dtype: torch.dtype, chunks: int, settings: Settings) -> bool:
     return settings.dw_accumulate == "float32" or chunks >= AUTO_MIN_CHUNKS
 
 
-def extra_bytes(v: int, h: int) -> int:
-    """Bytes the float32 accumulator holds beyond the returned dW (its second half)."""
-    return 4 * (v // 2) * h
-
-
 def _addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     if acc.device.type == "cuda":
         if first:

@@ -74,14 +74,15 @@ def init_distributed(cfg, rank: int, world: int, restart: int):
     that torchrun's agent hosts outlives a worker restart, and the restarted ranks must not find the
     dead ranks' keys in it."""
     want = cfg.job.device
-    use_cuda = torch.cuda.is_available() if want == "auto" else want == "cuda"
+    use_cuda = torch.cuda.is_available() if want == "auto" else want in ("cuda", "cuda-shared")
+    shared = want == "cuda-shared"  # testing mode: every rank on cuda:0, gloo (no NCCL: one GPU per rank)
     if use_cuda and not torch.cuda.is_available():
         raise SystemExit(f"job.device = {want!r} but this machine has no CUDA device: use a CPU config "
                          "(configs/train/tiny_cpu.toml) or --set job.device=\"cpu\"")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", 0 if shared else local_rank)
+        torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(cfg.job.threads)
@@ -93,9 +94,14 @@ def init_distributed(cfg, rank: int, world: int, restart: int):
 
         store, _, _ = next(rendezvous("env://"))
         store = dist.PrefixStore(f"flce_train/attempt_{restart}", store)
-        dist.init_process_group("nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world,
+        nccl = use_cuda and not shared
+        if shared:
+            from components import shared_gpu
+
+            shared_gpu.install()  # gloo's functional all-gather of CUDA tensors crashes (shared_gpu.py)
+        dist.init_process_group("nccl" if nccl else "gloo", store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.job.timeout_s),
-                                device_id=device if use_cuda else None)
+                                device_id=device if nccl else None)
     return device, use_cuda
 
 

@@ -399,14 +399,23 @@ def main():
     ap.add_argument("--poison", action="store_true",
                     help="CPU: take the GPU's no-sync guard path (a failed guard poisons with NaN; raises only "
                          "with check_finite), so gloo covers it too")
+    ap.add_argument("--device", choices=["auto", "cuda-shared"], default="auto",
+                    help="cuda-shared (with --backend gloo): every rank on cuda:0, a testing mode that runs the CUDA "
+                         "code paths of P > 1 on one GPU (gloo moves CUDA tensors through the host)")
     ap.add_argument("--only", choices=["all", "entropy"], default="all",
                     help="entropy: only the log-prob/entropy cases and the guard cases")
     args = ap.parse_args()
     dist.init_process_group(args.backend)
     group = dist.group.WORLD
     r, p = dist.get_rank(), dist.get_world_size()
-    if args.backend == "nccl":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", r)))
+    cuda = args.backend == "nccl" or args.device == "cuda-shared"
+    if args.device == "cuda-shared":  # gloo's functional all-gather of CUDA tensors crashes: launch/components/shared_gpu.py
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+        from components import shared_gpu
+
+        shared_gpu.install()
+    if cuda:
+        dev = torch.device("cuda", 0 if args.device == "cuda-shared" else int(os.environ.get("LOCAL_RANK", r)))
         torch.cuda.set_device(dev)
         ctx = settings.override()
         dtypes = [torch.float32, torch.bfloat16]
@@ -417,7 +426,7 @@ def main():
         dtypes = [torch.float32]
     ck = Checker(r)
     everything = args.only == "all"
-    poison = args.poison or args.backend == "nccl"
+    poison = args.poison or cuda
     if args.poison:
         import flce_dist.core as core
 
@@ -437,8 +446,8 @@ def main():
                     case(ck, dev, group, n=3 * p, h=16, v=odd_v, dtype=dtype, strategy=strategy, reduction="sum", bias=True,
                          sp=True, ignore="all")
             if everything:  # the row-scale form under TP: z-loss and temperature on, gates closed, then forced open
-                for force in (False, True):
-                    rowscale_case(ck, dev, group, force=force, n=9 * p, h=24, v=odd_v, dtype=dtypes[0], sp=False,
+                for force in (False, True):  # (float32 on CUDA takes cuBLAS logits, never the row-scale form)
+                    rowscale_case(ck, dev, group, force=force, n=9 * p, h=24, v=odd_v, dtype=dtypes[-1], sp=False,
                                   z_loss=1e-3, temperature=0.7)
                 rowscale_case(ck, dev, group, force=False, n=4 * p, h=24, v=odd_v, dtype=dtypes[-1], sp=True)
             # loss features, exact under TP (uneven V), both strategies
@@ -453,7 +462,7 @@ def main():
                              bias=True, sp=False, **f)
                     case(ck, dev, group, n=4 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="none",
                          bias=False, sp=True, label_smoothing=0.1, softcap=5.0)
-                if args.backend == "nccl":
+                if cuda:
                     for dtype in dtypes:
                         case(ck, dev, group, n=3 * 423, h=1000, v=10000, dtype=dtype, strategy="auto", reduction="mean", bias=False, sp=False)
                         case(ck, dev, group, n=2 * 1024, h=4096, v=32000, dtype=dtype, strategy="recompute", reduction="none", bias=False, sp=True)
@@ -474,7 +483,7 @@ def main():
                                  use=use, temperature=0.7)
                 entropy_case(ck, dev, group, n=5 * p, h=20, v=odd_v, dtype=dtype, sp=True, bias=False,
                              temperature=1.3, softcap=3.0)
-            if args.backend == "nccl":
+            if cuda:
                 for dtype in dtypes:
                     entropy_case(ck, dev, group, n=2 * 512, h=1024, v=32001, dtype=dtype, sp=True, bias=False,
                                  temperature=0.7)
@@ -488,7 +497,7 @@ def main():
                 module_and_errors(ck, dev, group)
                 dropped_group_is_freed(ck, dev, group)
             guards(ck, dev, group, raises=not poison)
-            if args.big and args.backend == "nccl":
+            if args.big and cuda:
                 big_memory(ck, dev, group)
     except Exception:  # noqa: BLE001
         ck.failures.append("exception:\n" + traceback.format_exc())

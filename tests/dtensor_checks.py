@@ -233,11 +233,20 @@ def module(ck, dev, mesh, tp_dim):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--device", choices=["auto", "cuda-shared"], default="auto",
+                    help="cuda-shared (with --backend gloo): every rank on cuda:0, a testing mode for the CUDA paths")
     args = ap.parse_args()
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev_type = "cuda" if args.backend == "nccl" else "cpu"
-    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if dev_type == "cuda" else torch.device("cpu")
+    shared = args.device == "cuda-shared"
+    if args.device == "cuda-shared":  # gloo's functional all-gather of CUDA tensors crashes: launch/components/shared_gpu.py
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "launch"))
+        from components import shared_gpu
+
+        shared_gpu.install()
+    dev_type = "cuda" if args.backend == "nccl" or shared else "cpu"
+    dev = (torch.device("cuda", 0 if shared else int(os.environ.get("LOCAL_RANK", 0))) if dev_type == "cuda"
+           else torch.device("cpu"))
     if dev_type == "cuda":
         torch.cuda.set_device(dev)
     torch.set_num_threads(1)

@@ -25,7 +25,9 @@ class JobConfig:
     losses_file: str = ""        # "" -> <out_dir>/losses.json
     log_every: int = 10
     progress: str = "auto"       # tqdm bar on rank 0: "auto" (stderr is a terminal), "on", "off"
-    device: str = "auto"         # "auto" (cuda if available), "cpu", "cuda"
+    device: str = "auto"         # "auto" (cuda if available), "cpu", "cuda"; "cuda-shared": a TESTING mode,
+    #                              every rank on cuda:0 with gloo (runs the CUDA code paths of tp/dp > 1 on one
+    #                              GPU; gloo moves CUDA tensors through the host: its speed means nothing)
     threads: int = 1             # torch threads per rank on the CPU
     timeout_s: float = 600.0     # process-group timeout (init_process_group)
     profile_step: int = 0        # >0: torch.profiler over that step; tables in <out_dir>/profile_step<S>_rank<r>.txt
@@ -141,7 +143,7 @@ _CHOICES = {("model", "head"): ("flce", "torch"), ("training", "dtype"): ("fp32"
             ("training", "resume_schedule"): ("check", "checkpoint", "config"),
             ("training", "optimizer_impl"): ("default", "foreach", "fused"),
             ("model", "compile"): ("", "inductor", "aot_eager"),
-            ("data", "tokenizer"): ("bpe", "byte"), ("job", "device"): ("auto", "cpu", "cuda"),
+            ("data", "tokenizer"): ("bpe", "byte"), ("job", "device"): ("auto", "cpu", "cuda", "cuda-shared"),
             ("job", "progress"): ("auto", "on", "off")}
 
 

@@ -34,14 +34,14 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
+import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else this repository's)
+import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402  (the first on PYTHONPATH: the tree under test)
-from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms, peak_gib, write_csv  # noqa: E402
+from flce_dist._timing import SHAPES, cuda_steady_ms, cuda_time_ms, peak_gib  # noqa: E402
 
 try:  # the three distinct matmuls and NVML energy (not in the _timing.py of trees before run 20)
     from flce_dist._timing import energy_j, three_matmuls  # noqa: E402
@@ -51,11 +51,6 @@ try:  # the chunk plan's cuBLAS work alone (run 21)
     from flce_dist._timing import chunked_matmuls  # noqa: E402
 except ImportError:
     chunked_matmuls = None
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: data.py
-import bench  # noqa: E402  (its chunk_plan: the fused strategy's rows per chunk)
-import data as bench_data  # noqa: E402
 
 
 def inputs(n: int, h: int, v: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +93,7 @@ def rank_shard(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, p: int) -> tup
     (``core.fused_plan_for``: 1/p of the single-GPU budget, ceil(V / p) columns). The collectives
     (stats all-gather, dX all-reduce) are not emulated."""
     v_r = -(-w.shape[0] // p)
-    rows = bench.chunk_plan(x, w.shape[0], tp=p)
+    rows = common.chunk_plan(x, w.shape[0], tp=p)
     w_r = w.detach()[:v_r].clone().requires_grad_()
     return x, w_r, t % v_r, rows
 
@@ -107,7 +102,7 @@ def timed_cases(args) -> Iterator[tuple]:
     """``(shape, mode, h, v, x, w, t)`` per case of ``--shapes`` x ``--data``; with ``--shard P`` one
     rank's shard (:func:`rank_shard`), yielded *inside* ``settings.override(chunk_bytes=...)`` that
     gives the loss that rank's chunk rows (the case runs while this generator is suspended there)."""
-    for shape, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
+    for shape, mode, h, v in common.cases(args, SHAPES):
         x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)
         if args.shard <= 1:
             yield shape, mode, h, v, x, w, t
@@ -115,7 +110,7 @@ def timed_cases(args) -> Iterator[tuple]:
         x, w, t, rows = rank_shard(x, w, t, args.shard)
         v_r = w.shape[0]
         with flce_dist.settings.override(chunk_bytes=rows * v_r * x.element_size()):
-            got = bench.chunk_plan(x, v_r)
+            got = common.chunk_plan(x, v_r)
             assert got == rows, f"the emulated rank plans {got} rows per chunk, a {args.shard}-rank group {rows}"
             yield f"{shape}/{args.shard}", mode, h, v_r, x, w, t
 
@@ -123,9 +118,7 @@ def timed_cases(args) -> Iterator[tuple]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tag", required=True)
-    ap.add_argument("--shapes", default="llama3,qwen3,gemma")
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=20)
+    common.add_case_args(ap, reps=20, out=False)
     ap.add_argument("--grad-forms", default="", help="e.g. chunk_grad,rowscale: each shape timed with each "
                     "Settings(grad_form=...) in turn, twice (A B A B), in this one process")
     ap.add_argument("--out", default="", help="also write ab_<tag>.csv there (one row per printed line)")
@@ -134,9 +127,8 @@ def main() -> None:
     ap.add_argument("--shard", type=int, default=1, help="time rank 0's work of a P-way vocab split on this "
                     "GPU (its ceil(V/P) rows of W and the chunk rows each rank of P plans; no collectives)")
     ap.add_argument("--fwd-only", action="store_true", help="only the interleaved forward (needs --fwd-rounds)")
-    bench_data.add_data_args(ap)
     args = ap.parse_args()
-    bench_data.check_data_args(ap, args)
+    common.check_case_args(ap, args, SHAPES)
     if args.fwd_only and args.fwd_rounds < 1:
         ap.error("--fwd-only needs --fwd-rounds >= 1")
     if args.shard < 1:
@@ -146,7 +138,7 @@ def main() -> None:
     forms = [f for f in args.grad_forms.split(",") if f]
     csv_rows: list[dict] = []
     fwd_rows: list[dict] = []  # --fwd-rounds: their own CSV (other columns)
-    stem, out_dirs = args.tag.strip(".") or "old", [args.out] if args.out else []
+    stem = args.tag.strip(".") or "old"
     print(f"[{args.tag}] flce_dist from {os.path.dirname(flce_dist.__file__)}")
     for shape, mode, h, v, x, w, t in timed_cases(args):
         name = f"{shape:7} {mode:9}"
@@ -159,7 +151,7 @@ def main() -> None:
             fwd_rows.append(dict(tag=args.tag, shape=shape, data=mode, mm_ms=statistics.median(mms),
                                  fwd_ms=statistics.median(fwds), ratio_1mm=statistics.median(ratios),
                                  ratio_min=min(ratios), ratio_max=max(ratios), rounds=len(ratios)))
-            write_csv(fwd_rows, f"ab_{stem}_fwd.csv", out_dirs)
+            common.save(fwd_rows, f"ab_{stem}_fwd.csv", args)
             if args.fwd_only:
                 continue
 
@@ -169,7 +161,7 @@ def main() -> None:
             floor3 = three_matmuls(x.detach(), w.detach())
             mm3, e3 = cuda_steady_ms(floor3, args.reps), energy_j(floor3)
             del floor3
-        mmc, rows = float("nan"), bench.chunk_plan(x, v) if chunked_matmuls else 0
+        mmc, rows = float("nan"), common.chunk_plan(x, v) if chunked_matmuls else 0
         if rows:
             floorc = chunked_matmuls(x.detach(), w.detach(), rows)
             mmc = cuda_steady_ms(floorc, args.reps)
@@ -179,10 +171,7 @@ def main() -> None:
             ctx = flce_dist.settings.override(grad_form=form) if form else contextlib.nullcontext()
             tag = f"{args.tag}:{form}" if form else args.tag
             with ctx:
-                def step():
-                    x.grad = w.grad = None
-                    flce_dist.fused_linear_cross_entropy(x, w, t).backward()
-
+                step = common.fwd_bwd(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), x, w)
                 ms = cuda_steady_ms(step, args.reps)
                 ej = energy_j(step) if e3 else None
                 grads = (x.numel() * x.element_size() + w.numel() * w.element_size()) / 2**30
@@ -201,7 +190,7 @@ def main() -> None:
                                  plan_vs_dist3=mmc / mm3, ratio_plan=ms / mmc, extra_gib=extra,
                                  energy_j=ej[0] if ej else float("nan"),
                                  energy_ratio=ej[0] / e3[0] if ej else float("nan")))
-            write_csv(csv_rows, f"ab_{stem}.csv", out_dirs)
+            common.save(csv_rows, f"ab_{stem}.csv", args)
         if "rowscale" in forms:  # how many chunks took the gated fallback (one extra call, spied)
             from flce_dist import rowscale
 

@@ -31,29 +31,20 @@ vocab sorted by mean logit in backward) and exact (``cce_exact``: ``filter_eps=N
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-if importlib.util.find_spec("flce_dist") is None:  # a tree on PYTHONPATH wins (device.sh ab/tpab: before vs after)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else this repository's)
+import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402
-from flce_dist._timing import (DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, three_matmuls,
-                              write_csv)  # noqa: E402
+from flce_dist._timing import DTYPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, three_matmuls  # noqa: E402
 
 try:  # the chunk plan's cuBLAS work alone (run 21; trees before it: no such column)
     from flce_dist._timing import chunked_matmuls  # noqa: E402
 except ImportError:
     chunked_matmuls = None
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import data as bench_data  # noqa: E402
-
-DATA_MODES = bench_data.DATA_MODES
 
 
 def _impls():
@@ -124,36 +115,12 @@ def _impls():
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="llama3,qwen3,gemma")
-    ap.add_argument("--n", type=int, default=8192)
+    common.add_case_args(ap)
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--impls", default="", help="comma list, e.g. flce,cce,cce_exact (default: all available)")
-    bench_data.add_data_args(ap)
-    ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    bench_data.check_data_args(ap, args)
-    bad = [s for s in args.shapes.split(",") if s not in SHAPES]
-    if bad:
-        ap.error(f"--shapes: unknown {bad} (choose from {list(SHAPES)})")
+    common.check_case_args(ap, args)
     return args
-
-
-def csv_suffix(modes: list[str]) -> str:
-    """"" for the default data modes (random, realistic), else ``_<mode>_<mode>``, so that runs of
-    one mode each (e.g. in separate device calls) do not overwrite each other's CSV."""
-    return "" if modes == ["random", "realistic"] else "_" + "_".join(modes)
-
-
-def cases(args) -> list[tuple[str, str, int, int]]:
-    """(shape name, data mode, H, V) in run order (``data.cases`` of the parsed arguments)."""
-    return bench_data.cases(args.shapes, args.data, SHAPES, args.fixture)
-
-
-def describe_cols(x, w, t) -> dict:
-    d = bench_data.describe(x, w, t)
-    print("  data:", bench_data.describe_line(d))
-    return {f"d_{k}": d[k] for k in bench_data.DESCRIBE_KEYS}
 
 
 def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
@@ -174,24 +141,6 @@ def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
             break
 
 
-def chunk_plan(x: torch.Tensor, v: int, group=None, tp: int | None = None) -> int:
-    """Token rows per chunk of flce's fused strategy for ``x`` and a vocabulary of ``v`` (the full one;
-    ``group``: its TP group, whose ranks each plan with ceil(V / P) columns and 1/P of the budget;
-    ``tp``: the plan of each rank of a group of that size, without one: ``core.fused_plan_for``) under
-    the current settings, 0 where this tree has no ``core.fused_plan``: the chunks
-    ``_timing.chunked_matmuls`` then issues as cuBLAS work alone."""
-    try:
-        from flce_dist import core
-        from flce_dist.options import FLCEParams, LossOptions
-        from flce_dist.settings import current
-    except ImportError:
-        return 0
-    p = FLCEParams(0, v, LossOptions(), current())
-    if tp is not None:
-        return core.fused_plan_for(x.shape[0], x, p, tp, False)
-    return core.fused_plan(x.shape[0], x, p, group, False)
-
-
 def main() -> None:
     args = parse_args()
     dt = DTYPES[args.dtype]
@@ -201,17 +150,17 @@ def main() -> None:
     rows = []
     dev = torch.device("cuda")
     warm_up(dev)
-    for name, mode, h, v in cases(args):
+    for name, mode, h, v in common.cases(args):
         x, w, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=dt, device=dev, seed=0,
                                          sorted_vocab=args.sorted_vocab, fixture=args.fixture or None)
         print(f"{name} H={h} V={v} data={mode}")
-        dcols = describe_cols(x, w, t)
+        dcols = common.describe_cols(x, w, t)
         torch.cuda.empty_cache()
         x.requires_grad_()
         w.requires_grad_()
         mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
         mm3 = time_ms(three_matmuls(x.detach(), w.detach()), args.reps)  # x @ W.T, dy @ W, dy.T @ x back to back
-        plan = chunk_plan(x, v)
+        plan = common.chunk_plan(x, v)
         mmc = time_ms(chunked_matmuls(x.detach(), w.detach(), plan), args.reps) if plan and chunked_matmuls else float("nan")
         torch.cuda.empty_cache()
         print(f"  {'matmul':15} {mm:8.2f} ms  (three distinct matmuls {mm3:.2f} ms = {mm3 / (3 * mm):.3f}x 3 x this;"
@@ -222,9 +171,7 @@ def main() -> None:
                          floor3_ms=mm3, ratio_fb3=3 * mm / mm3, plan_rows=plan, plan_ms=mmc, ratio_plan=3 * mm / mmc,
                          **dcols))
         for iname, fn in impls.items():
-            def fb():
-                x.grad = w.grad = None
-                fn(x, w, t).backward()
+            fb = common.fwd_bwd(lambda: fn(x, w, t), x, w)
 
             def fo():
                 with torch.no_grad():
@@ -238,7 +185,7 @@ def main() -> None:
                 f_ms = time_ms(fo, args.reps)
                 f_mem = peak_gib(fo, x, w)
             except Exception as e:  # noqa: BLE001
-                print(f"{name}/{mode}/{iname} failed: {type(e).__name__}: {str(e)[:300]}")
+                common.failed(f"{name}/{mode}/{iname}", e)
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
                 continue
@@ -253,7 +200,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         del x, w, t
         torch.cuda.empty_cache()
-        write_csv(rows, f"bench_{args.dtype}{csv_suffix(args.data)}.csv", [args.out] if args.out else [])
+        common.save(rows, common.csv_name(f"bench_{args.dtype}", args.data), args)
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
     print_table(rows)
     import torch.distributed as dist
@@ -262,17 +209,17 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "15"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
+         ("x3mm", "ratio_fb", "6.2f"), ("steady", "steady_ms", "8.2f"), ("x3mm", "ratio_steady", "6.2f"),
+         ("fwd ms", "fwd_ms", "8.2f"), ("x1mm", "ratio_f", "6.2f"), ("peak GiB", "mem_gib", "9.2f"),
+         ("extra", "extra_gib", "6.2f"), ("fwd GiB", "fwd_mem_gib", "8.2f"), ("x3dist", "ratio_fb3", "6.2f"),
+         ("xplan", "ratio_plan", "6.2f")]
+
+
 def print_table(rows: list[dict]) -> None:
     """The short table: one line per (shape, data mode, impl); the matmul line of each (shape, data)
     carries that data's describe() numbers (loss nats, negligible-block fraction sorted)."""
-    print(f"{'shape':8} {'data':9} {'impl':15} {'fwd+bwd ms':>10} {'x3mm':>6} {'steady':>8} {'x3mm':>6} {'fwd ms':>8}"
-          f" {'x1mm':>6} {'peak GiB':>9} {'extra':>6} {'fwd GiB':>8} {'x3dist':>6} {'xplan':>6}")
-    for r in rows:
-        note = (f"   loss {r['d_loss']:.2f} nats, skip {r['d_skip_frac']:.2f} / sorted {r['d_skip_frac_sorted']:.2f}"
-                if r["impl"] == "matmul" else "")
-        print(f"{r['shape']:8} {r['data']:9} {r['impl']:15} {r['fwd_bwd_ms']:10.2f} {r['ratio_fb']:6.2f} {r['steady_ms']:8.2f}"
-              f" {r['ratio_steady']:6.2f} {r['fwd_ms']:8.2f} {r['ratio_f']:6.2f} {r['mem_gib']:9.2f} {r['extra_gib']:6.2f}"
-              f" {r['fwd_mem_gib']:8.2f} {r.get('ratio_fb3', float('nan')):6.2f} {r.get('ratio_plan', float('nan')):6.2f}{note}")
+    common.print_table(rows, TABLE, lambda r: common.data_note(r) if r["impl"] == "matmul" else "")
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import os
 import statistics
 import sys
@@ -65,18 +64,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-if importlib.util.find_spec("flce_dist") is None:  # a tree on PYTHONPATH wins (device.sh ab/tpab: before vs after)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else this repository's)
+import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
-from flce_dist._timing import SHAPES, cuda_time_ms, peak_gib, write_csv  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import data as bench_data  # noqa: E402
-from bench import csv_suffix, describe_cols  # noqa: E402
+from flce_dist._timing import SHAPES, cuda_time_ms, peak_gib  # noqa: E402
 from bench_tp import _CopyToTP  # noqa: E402
 
 IMPLS = ("flce_rl", "flce_loss", "flce_mean", "liger", "torch")
+TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "10"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
+         ("x flce_loss", "ratio", "11.3f"), ("peak GiB/rank", "mem_gib", "14.2f")]
 RL_SHAPES = {**SHAPES, "tiny": (32, 1000)}  # tiny: --cpu-smoke
 TOL = {"flce_rl": 1e-3, "torch": 1e-3, "liger": 2e-2}
 
@@ -179,11 +176,7 @@ def timed(fn, reps, dev, group):
 
 
 def _max_over_ranks(val, dev, group):
-    if group is None:
-        return val
-    t = torch.tensor([val], device=dev, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.item()
+    return val if group is None else common.max_over_ranks(val, dev, group)
 
 
 def _rel(a, b):
@@ -227,28 +220,25 @@ def check(pairs, xf, wf, t, temp, group, s, e, dev):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=None, help="comma list from SHAPES (default llama3,qwen3,gemma; smoke: tiny)")
-    ap.add_argument("--n", type=int, default=None, help="tokens (default 8192; smoke: 64)")
-    ap.add_argument("--reps", type=int, default=None, help="timed calls per row (default 10; smoke: 2)")
+    common.add_case_args(ap, shapes=None, n=None, reps=None, helps=dict(
+        shapes="comma list from SHAPES (default llama3,qwen3,gemma; smoke: tiny)", n="tokens (default 8192; smoke: 64)",
+        reps="timed calls per row (default 10; smoke: 2)"))
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--beta", type=float, default=0.01, help="entropy coefficient of the objective")
     ap.add_argument("--check-n", type=int, default=512, help="tokens of the correctness check (0: skip)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--cpu-smoke", action="store_true", help="--device cpu, shape tiny (H=32, V=1000), N=64")
-    bench_data.add_data_args(ap)
-    ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    bench_data.check_data_args(ap, args)
     smoke = args.cpu_smoke
     args.device = "cpu" if smoke else args.device
-    args.shapes = args.shapes or ("tiny" if smoke else "llama3,qwen3,gemma")
-    args.n = args.n or (64 if smoke else 8192)
+    args.shapes = args.shapes or ("tiny" if smoke else common.DEFAULT_SHAPES)
+    args.n = args.n or (64 if smoke else common.DEFAULT_N)
     args.reps = args.reps or (2 if smoke else 10)
-    bad = [s for s in args.shapes.split(",") if s not in RL_SHAPES]
-    bad += [i for i in args.impls.split(",") if i not in IMPLS]
+    common.check_case_args(ap, args, RL_SHAPES)
+    bad = [i for i in args.impls.split(",") if i not in IMPLS]
     if bad:
-        ap.error(f"unknown {bad} (shapes: {list(RL_SHAPES)}, impls: {list(IMPLS)})")
+        ap.error(f"unknown {bad} (impls: {list(IMPLS)})")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: pass --device cpu or --cpu-smoke")
     return args
@@ -285,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             rl[name] = fn
             notes[name] = why
-    cases = bench_data.cases(args.shapes, args.data, RL_SHAPES, args.fixture)
+    cases = common.cases(args, RL_SHAPES)
     rows = []
     for ci, (name, mode, h, v) in enumerate(cases):
         s, e = vocab_shard(v, rank, p)
@@ -306,9 +296,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             live = [i for i in live if i not in failed]
             del xc, wc, tc
         xf, wf, t = inputs(args.n)
-        dcols = describe_cols(xf, wf, t) if rank == 0 else {}
-        x = xf.clone().requires_grad_()
-        w = wf[s:e].clone().requires_grad_()
+        x, w, dcols = common.shard_leaves(xf, wf, t, s, e, rank)
         del xf, wf
         adv = torch.randn(args.n, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
         fl = flce_dist.fused_linear_cross_entropy
@@ -317,10 +305,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         objs["flce_mean"] = lambda: fl(x, w, t, group=group, temperature=temp)
         shape_rows = []
         for iname in live:
-            def fb():
-                x.grad = w.grad = None
-                objs[iname]().backward()
-
+            fb = common.fwd_bwd(objs[iname], x, w)
             nan = float("nan")
             row = dict(shape=name, data=mode, impl=iname, P=p, N=args.n, T=temp, fwd_bwd_ms=nan, ratio=nan, mem_gib=nan,
                        note=notes.get(iname, ""))
@@ -331,7 +316,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             except torch.OutOfMemoryError:
                 row["note"] = "OOM"
             except Exception as ex:  # noqa: BLE001
-                say(f"{name}/{mode}/{iname} failed: {type(ex).__name__}: {str(ex)[:300]}")
+                if rank == 0:
+                    common.failed(f"{name}/{mode}/{iname}", ex)
                 continue
             finally:
                 x.grad = w.grad = None
@@ -344,21 +330,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += shape_rows
         x = w = t = adv = objs = None  # free this shape before the next (the closures see the None)
     if rank == 0 and rows:
-        fname = f"bench_rl_tp{p}" + ("" if args.n == 8192 or args.cpu_smoke else f"_n{args.n}") + csv_suffix(args.data)
+        fname = common.csv_name(f"bench_rl_tp{p}", args.data, None if args.cpu_smoke else args.n)
         if args.cpu_smoke and args.out:  # not into benchmarks/results
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            with open(Path(args.out) / f"{fname}_smoke.csv", "w", newline="") as f:
+            with open(Path(args.out) / fname.replace(".csv", "_smoke.csv"), "w", newline="") as f:
                 wr = csv.DictWriter(f, fieldnames=list(rows[0]))
                 wr.writeheader()
                 wr.writerows(rows)
         elif not args.cpu_smoke:
-            write_csv(rows, f"{fname}.csv", [args.out] if args.out else [])
+            common.save(rows, fname, args)
         devname = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
         print(f"\nTP={p} {devname} bf16 N={args.n} T={temp} beta={beta}  (obj = (adv*logp).sum() + beta*entropy.sum())")
-        print(f"{'shape':8} {'data':9} {'impl':10} {'fwd+bwd ms':>10} {'x flce_loss':>11} {'peak GiB/rank':>14}  note")
-        for r in rows:
-            print(f"{r['shape']:8} {r['data']:9} {r['impl']:10} {r['fwd_bwd_ms']:10.2f} {r['ratio']:11.3f}"
-                  f" {r['mem_gib']:14.2f}  {r['note']}")
+        common.print_table(rows, TABLE + [("note", "note", "")], None)
     if dist.is_initialized():
         dist.destroy_process_group()
     return rows

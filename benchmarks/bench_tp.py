@@ -27,32 +27,23 @@ form, so it is not in this benchmark.)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-if importlib.util.find_spec("flce_dist") is None:  # a tree on PYTHONPATH wins (device.sh ab/tpab: before vs after)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else this repository's)
+import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
-from flce_dist._timing import SHAPES, cuda_time_ms, three_matmuls, write_csv  # noqa: E402
+from flce_dist._timing import cuda_time_ms, three_matmuls  # noqa: E402
 from flce_dist._timing import peak_gib as _peak_gib  # noqa: E402
 
 try:  # the chunk plan's cuBLAS work alone (run 21)
     from flce_dist._timing import chunked_matmuls  # noqa: E402
 except ImportError:
     chunked_matmuls = None
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
-from bench import DATA_MODES, csv_suffix, describe_cols  # noqa: E402
-import data as bench_data  # noqa: E402
-
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -101,34 +92,31 @@ class _MegatronVocabParallelCE(torch.autograd.Function):
 
 def time_ms(fn, reps):
     """Per-rank median (barrier before each timed call), then the max over ranks."""
-    t = torch.tensor([cuda_time_ms(fn, reps, before=dist.barrier)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return common.max_over_ranks(cuda_time_ms(fn, reps, before=dist.barrier))
 
 
 def peak_gib(fn, *params):
     """Per-rank peak above the inputs, gradients included; the max over ranks."""
-    t = torch.tensor([_peak_gib(fn, *params)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return common.max_over_ranks(_peak_gib(fn, *params))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="llama3,qwen3,gemma")
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=10)
+    common.add_case_args(ap)
     ap.add_argument("--impls", default="flce,flce_filter,megatron,liger_vp,deepspeed")
-    bench_data.add_data_args(ap)
-    ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
-    bench_data.check_data_args(ap, args)
+    common.check_case_args(ap, args)
     return args
 
 
 def _with_grad_form(form, x, w, t, group):
     with flce_dist.settings.override(grad_form=form):
         return flce_dist.fused_linear_cross_entropy(x, w, t, group=group)
+
+
+TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "10"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
+         ("x floor", "ratio", "8.2f"), ("x floor3", "ratio3", "9.2f"), ("x plan", "ratio_plan", "7.3f"),
+         ("peak GiB/rank", "mem_gib", "14.2f")]
 
 
 def main():
@@ -159,16 +147,14 @@ def main():
             print("liger unavailable:", e)
             impls.remove("liger_vp")
     rows = []
-    for name, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
+    for name, mode, h, v in common.cases(args):
         s, e = vocab_shard(v, rank, p)
         # every rank builds the same full inputs (random: the pre-data-mode generator calls, bit for bit)
         xf, wf, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=torch.bfloat16, device="cuda", seed=0,
                                            sorted_vocab=args.sorted_vocab, fixture=args.fixture or None)
         if rank == 0:
             print(f"{name} H={h} V={v} data={mode}")
-        dcols = describe_cols(xf, wf, t) if rank == 0 else {}
-        x = xf.clone().requires_grad_()
-        w = wf[s:e].clone().requires_grad_()
+        x, w, dcols = common.shard_leaves(xf, wf, t, s, e, rank)
         del wf, xf
         torch.cuda.empty_cache()
         mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
@@ -178,7 +164,7 @@ def main():
         # the shard's three distinct matmuls back to back (x @ W_r.T, dy @ W_r, dy.T @ x) + the all-reduce
         floor3 = time_ms(three_matmuls(x.detach(), w.detach()), args.reps) + ar
         # the same on flce's own chunk plan (1/P of the 1 GiB budget per rank, ceil(V / P) columns): cuBLAS alone
-        plan = bench.chunk_plan(x, v, group) if chunked_matmuls else 0
+        plan = common.chunk_plan(x, v, group) if chunked_matmuls else 0
         floorp = time_ms(chunked_matmuls(x.detach(), w.detach(), plan), args.reps) + ar if plan else float("nan")
         torch.cuda.empty_cache()
         rows.append(dict(shape=name, data=mode, impl="floor", P=p, N=args.n, fwd_bwd_ms=floor, ratio=1.0, mem_gib=0.0,
@@ -197,15 +183,12 @@ def main():
             fns["deepspeed"] = lambda: vocab_parallel_linear_cross_entropy(x, w, t, tp_group=group, vocab_start_index=s,
                                                                            vocab_end_index=e)
         for iname in [i for i in impls if i in fns]:  # an older tree (device.sh tpab) may lack a row
-            def fb():
-                x.grad = w.grad = None
-                fns[iname]().backward()
-
+            fb = common.fwd_bwd(fns[iname], x, w)
             try:
                 ms = time_ms(fb, args.reps)
                 mem = peak_gib(fb, x, w)
             except Exception as ex:  # noqa: BLE001
-                print(f"{name}/{mode}/{iname} failed: {type(ex).__name__}: {str(ex)[:300]}")
+                common.failed(f"{name}/{mode}/{iname}", ex)
                 continue
             finally:
                 x.grad = w.grad = None
@@ -220,16 +203,9 @@ def main():
         del x, w, buf
         torch.cuda.empty_cache()
     if rank == 0:
-        fname = (f"bench_tp{p}" if args.n == 8192 else f"bench_tp{p}_n{args.n}") + csv_suffix(args.data)
-        write_csv(rows, f"{fname}.csv", [args.out] if args.out else [])
+        common.save(rows, common.csv_name(f"bench_tp{p}", args.data, args.n), args)
         print(f"\nTP={p} {torch.cuda.get_device_name()} bf16 N={args.n}  (floor = 3 x shard matmul + dX all-reduce)")
-        print(f"{'shape':8} {'data':9} {'impl':10} {'fwd+bwd ms':>10} {'x floor':>8} {'x floor3':>9} {'x plan':>7}"
-              f" {'peak GiB/rank':>14}")
-        for r in rows:
-            note = (f"   loss {r['d_loss']:.2f} nats, skip {r['d_skip_frac']:.2f} / sorted {r['d_skip_frac_sorted']:.2f}"
-                    if r["impl"] == "floor" else "")
-            print(f"{r['shape']:8} {r['data']:9} {r['impl']:10} {r['fwd_bwd_ms']:10.2f} {r['ratio']:8.2f}"
-                  f" {r['ratio3']:9.2f} {r['ratio_plan']:7.3f} {r['mem_gib']:14.2f}{note}")
+        common.print_table(rows, TABLE, lambda r: common.data_note(r) if r["impl"] == "floor" else "")
     dist.destroy_process_group()
 
 

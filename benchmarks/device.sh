@@ -1,103 +1,404 @@
 #!/usr/bin/env bash
-# One device call: install carried wheels, then run the named steps (default: tests bench).
-#   bash benchmarks/device.sh tests rl tprl dtensor ab fwdab shardab tpab tune tunestore tunecls tunepers storeab chunksweep gradab gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1 quack2 benchquack
-# (PROFILE_ARGS="--mode fwd --dtype fp32 --n 4096", PROFILE_TAG=_fwd name the profile's log; FLCE_CHUNK_MB=1024 names bench32's)
-# (SCALING_N="8192" or "32768": one N per call keeps P = 1, 2, 4, 8 under the 10-minute limit)
-# Logs and CSVs go to $OUT; the last lines printed are the tables.
+# One GPU call: install the carried wheels (.whl), then run the named steps in order (default: tests bench).
+#
+#   bash benchmarks/device.sh STEP [STEP ...]     e.g. `bash benchmarks/device.sh tests ab`
+#   bash benchmarks/device.sh --list              every step and what it measures
+#
+# Logs and CSVs go to $OUT (default /tmp/out), with gpu.txt (the GPU's clocks) and commit.txt; the last lines
+# a step prints are its table. Each step is one function `step_<name>` below, the comment line above it is
+# its --list entry, and the environment variables it reads (with their defaults) are in its body.
+# Before the call: `git rev-parse --short HEAD > .device_commit` and carry `.whl` and `.device_commit` (the
+# device copy has no .git). The 10-minute limit per call is why the timeouts are what they are.
 set -uo pipefail
+
+CFG=flce_dist/configs/helion/h200.json  # the config the tuning steps write (copied to $OUT after each)
+SMALL=configs/train/llama_small_gpu.toml  # the training steps' model (6 layers, H=1024, V=32768 padded)
+
+flt() { grep -v "DEBUG\|registered at"; }          # drop Helion's debug lines and torch's registration notes
+tflt() { flt | grep -v "^W1\|^I1"; }               # ... and torchrun's per-rank W/I log lines
+keep_config() { cp "$CFG" "$OUT/"; }               # the tuned config comes back with the call
+tree_tag() { [ "$1" = . ] && echo new || echo "$1"; }  # ab/fwdab/tpab: "." is this tree, "new"
+# "=== <name> summary" onwards from a probe's log, or its last 20 lines if it stopped before printing it
+summary() { grep -q "=== $2 summary" "$1" && sed -n "/=== $2 summary/,\$p" "$1" || tail -20 "$1"; }
+# the launcher on the small model: small_train NGPU SECONDS train.sh-args...
+small_train() { NGPU=$1 TORCHRUN=torchrun CONFIG=$SMALL timeout "$2" bash launch/train.sh "${@:3}"; }
+
+# ---------------------------------------------------------------- tests
+# no work: only the wheel install (for a command after it in the same call)
+step_none() { :; }
+
+# GPU test suite, tests/test_gpu.py -m gpu (TESTS_K: a -k filter)
+step_tests() {
+  timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | flt \
+    | tee "$OUT/gpu_tests.log" | tail -8
+}
+
+# GPU tests of the float32 dtype and the memory bars only
+step_tests32() {
+  timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt \
+    | tee "$OUT/gpu_tests32.log" | tail -6
+}
+
+# DTensor checks on every GPU over NCCL (tests/dtensor_checks.py)
+step_dtensor() {
+  timeout 300 torchrun --nproc_per_node="$ngpu" tests/dtensor_checks.py --backend nccl 2>&1 | tflt \
+    | tee "$OUT/dtensor_tests.log" | grep "FAIL\|passed\|Error" | tail -12
+}
+
+# TP checks on every GPU over NCCL, big shapes (tests/dist_checks.py; TP_TIMEOUT=300, TP_ARGS)
+step_tp() {
+  timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big \
+    $([ "$ngpu" -gt 2 ] && echo --quick) ${TP_ARGS:-} 2>&1 | tflt | tee "$OUT/tp_tests.log" \
+    | grep "FAIL\|passed\|big\|Error\|rank 0\] case" | tail -20
+}
+
+# DeepSpeed ZeRO stages 1-3 with the flce head over NCCL (tests/test_integrations.py ds)
+step_ds() {
+  DS_ACCELERATOR=cuda FLCE_DS_BACKEND=nccl timeout 300 torchrun --nproc_per_node="$ngpu" tests/test_integrations.py \
+    ds 1 2 3 2>&1 | flt | tee "$OUT/ds_nccl.log" | grep "ds stage\|FAIL\|Error" | tail -12
+}
+
+# ---------------------------------------------------------------- the benchmarks (TP=1)
+# bench.py: every peer, all shapes, random + realistic data, time and memory against the matmul floors
+step_bench() {
+  timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -30
+}
+
+# bench.py: flce with Helion vs cuBLAS logits, and torch (12 reps)
+step_benchab() {
+  timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt \
+    | tee "$OUT/benchab.log" | tail -14
+}
+
+# bench.py in float32: llama3, N=4096, flce vs torch (FLCE_CHUNK_MB names the log)
+step_bench32() {
+  timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch \
+    --out "$OUT" 2>&1 | flt | tee "$OUT/bench32${FLCE_CHUNK_MB:+_$FLCE_CHUNK_MB}.log" | tail -6
+}
+
+# bench.py: exact vs the gradient filter vs CCE (BENCH_IMPLS, BENCH_DATA, BENCH_REPS=8, BENCH_TAIL=30)
+step_benchfilter() {
+  timeout 330 python3 benchmarks/bench.py --impls ${BENCH_IMPLS:-flce,flce_filter,cce,cce_exact} \
+    --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt \
+    | tee "$OUT/bench_filter.log" | tail -${BENCH_TAIL:-30}
+}
+
+# bench.py with QuACK (after quack1, quack2; BENCH_SHAPES, BENCH_IMPLS, BENCH_DATA, BENCH_REPS, BENCH_TIMEOUT)
+step_benchquack() {
+  timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} \
+    --impls ${BENCH_IMPLS:-flce,flce_filter,quack,quack_c2048,cce} --data ${BENCH_DATA:-random,realistic} \
+    --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_quack.log" | tail -${BENCH_TAIL:-32}
+}
+
+# bench.py: the row-scale gradient form vs the chunk_grad_ form, both data modes (BENCH_REPS=10)
+step_gradbench() {
+  timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic \
+    --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16
+}
+
+# bench.py at llama3 with 256, 512 and 1024 MiB chunk budgets (FLCE_CHUNK_MB)
+step_sweep() {
+  for mb in 256 512 1024; do
+    echo "FLCE_CHUNK_MB=$mb"
+    FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3
+  done | tee "$OUT/sweep.log"
+}
+
+# bench_rl.py: per-token log-probs + entropy with gradients, TP=1 (RL_ARGS, RL_TIMEOUT=480, RL_TAIL=40)
+step_rl() {
+  timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt \
+    | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40}
+}
+
+# ---------------------------------------------------------------- the benchmarks (TP on every GPU)
+# bench_tp.py: flce vs Megatron-style, Liger vocab-parallel, DeepSpeed, against the TP floor
+step_tpbench() {
+  timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt \
+    | tee "$OUT/bench_tp.log" | tail -30
+}
+
+# bench_tp.py, quick: llama3, flce vs Megatron-style, 5 reps
+step_tpquick() {
+  timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron \
+    --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6
+}
+
+# bench_rl.py under torchrun (RL_ARGS, RL_TIMEOUT=480, RL_TAIL=40)
+step_tprl() {
+  timeout ${RL_TIMEOUT:-480} torchrun --nproc_per_node="$ngpu" benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} \
+    2>&1 | tflt | tee "$OUT/bench_rl_tp.log" | tail -${RL_TAIL:-40}
+}
+
+# TP scaling efficiency: bench_tp.py at P = 1, 2, 4, 8 (up to the GPUs), then scaling.py (SCALING_N="8192",
+# one N per call keeps it under the limit; SCALING_IMPLS=flce,megatron; TP_TIMEOUT=300)
+step_scaling() {
+  for n in ${SCALING_N:-8192}; do
+    for p in 1 2 4 8; do
+      [ "$p" -le "$ngpu" ] || continue
+      timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node=$p benchmarks/bench_tp.py --n $n \
+        --impls ${SCALING_IMPLS:-flce,megatron} --out "$OUT" 2>&1 | tflt | tail -9
+    done
+  done | tee "$OUT/scaling_runs.log"
+  python3 benchmarks/scaling.py "$OUT" --out "$OUT" 2>&1 | tail -30
+}
+
+# ---------------------------------------------------------------- A/B: the loss alone vs its matmuls
+# ab_flce.py per tree: the loss alone vs the matmul floors, before/after a refactor (AB_TREES=".old .",
+# AB_SHAPES, AB_DATA)
+step_ab() {
+  for tree in ${AB_TREES:-.old .}; do
+    PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 280 python3 benchmarks/ab_flce.py --tag "$(tree_tag "$tree")" \
+      --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt \
+      | grep "^\["
+  done | tee "$OUT/ab.log"
+}
+
+# ab_flce.py per tree: the forward against the bare matmul in interleaved rounds (AB_TREES, FWD_ROUNDS=5,
+# AB_SHAPES, AB_DATA)
+step_fwdab() {
+  for tree in ${AB_TREES:-.old .}; do
+    PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 200 python3 benchmarks/ab_flce.py --tag "$(tree_tag "$tree")" \
+      --fwd-only --fwd-rounds ${FWD_ROUNDS:-5} --reps 10 --shapes ${AB_SHAPES:-llama3,qwen3,gemma} \
+      --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\["
+  done | tee "$OUT/fwdab.log"
+}
+
+# ab_flce.py --shard: one TP rank's work on one GPU, no collectives (SHARD=2, AB_REPS=10, AB_TIMEOUT=280)
+step_shardab() {
+  timeout ${AB_TIMEOUT:-280} python3 benchmarks/ab_flce.py --tag "tp${SHARD:-2}rank" --shard ${SHARD:-2} \
+    --fwd-rounds 3 --reps ${AB_REPS:-10} --shapes ${AB_SHAPES:-llama3,qwen3,gemma} \
+    --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\[" | tee "$OUT/shardab.log"
+}
+
+# bench_tp.py per tree at TP on every GPU: flce vs its floor, before/after (AB_TREES, AB_SHAPES=llama3,gemma)
+step_tpab() {
+  for tree in ${AB_TREES:-.old .}; do
+    PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py \
+      --impls flce --data random --shapes ${AB_SHAPES:-llama3,gemma} --reps 10 2>&1 | tflt | tail -6 \
+      | sed "s/^/[$(tree_tag "$tree")] /"
+  done | tee "$OUT/tpab.log"
+}
+
+# ab_flce.py: the row-scale vs the chunk_grad_ gradient form, A B A B in one process (AB_SHAPES, AB_DATA)
+step_gradab() {
+  timeout 560 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale \
+    --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" \
+    | tee "$OUT/gradab.log"
+}
+
+# ab_flce.py per chunk budget in MiB vs the floors and the plan's cuBLAS work (CHUNK_MBS="default 2048 4200")
+step_chunksweep() {
+  for mb in ${CHUNK_MBS:-default 2048 4200}; do
+    FLCE_CHUNK_MB=${mb#default} timeout 190 python3 benchmarks/ab_flce.py --tag "c$mb" \
+      --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --reps 15 --out "$OUT" 2>&1 \
+      | flt | grep "^\["
+  done | tee "$OUT/chunk_sweep.log"
+}
+
+# ab_flce.py and a kernel profile with the shipped store config vs run 17's store winners (AB_SHAPES, AB_DATA)
+step_storeab() {
+  for cfg in "" benchmarks/results/run17/store_winner; do
+    tag=$([ -n "$cfg" ] && echo run17store || echo shipped)
+    FLCE_CONFIG_DIR=$cfg timeout 200 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} \
+      --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\["
+    FLCE_CONFIG_DIR=$cfg timeout 250 python3 benchmarks/probes/kernel_profile.py --shapes llama3 \
+      --data ${AB_DATA:-random,realistic} 2>&1 | flt > "$OUT/profile_$tag.log"
+    tail -14 "$OUT/profile_$tag.log"
+  done | tee "$OUT/storeab.log"
+}
+
+# ---------------------------------------------------------------- tuning (each writes $CFG, copied to $OUT)
+# python -m flce_dist.tune: every kernel's bounded search
+step_tune() {
+  timeout 420 python3 -m flce_dist.tune --out "$CFG" 2>&1 | flt | tee "$OUT/tune.log" | tail -40
+  keep_config
+}
+
+# the tuner on the fused strategy's logits-storing pass only
+step_tunestore() {
+  timeout 360 python3 -m flce_dist.tune --only lse_forward_store --out "$CFG" 2>&1 | flt | tee "$OUT/tune_store.log" \
+    | tail -14
+  keep_config
+}
+
+# the tuner on one shape class's logits passes (TUNE_H=2304, TUNE_V=262208: gemma's)
+step_tunecls() {
+  timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class \
+    --only lse_forward,lse_forward_store --out "$CFG" 2>&1 | flt | tee "$OUT/tune_h${TUNE_H:-2304}.log" \
+    | grep -v failed | tail -28
+  keep_config
+}
+
+# the tuner's persistent candidates for the logits passes, llama3 then gemma's class (TUNE_TAIL=44)
+step_tunepers() {
+  for sh in "" "--h 2304 --v 262208 --shape-class --rows 1664"; do
+    timeout 200 python3 -m flce_dist.tune --candidates persistent --only lse_forward,lse_forward_store $sh \
+      --out "$CFG" 2>&1 | flt | tee -a "$OUT/tune_pers.log" | grep -v failed
+  done | tail -${TUNE_TAIL:-44}
+  keep_config
+}
+
+# the tuner on chunk_stats and chunk_grad (TUNE_ARGS, TUNE_TAIL=40)
+step_tunechunk() {
+  timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out "$CFG" 2>&1 | flt \
+    | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}
+  keep_config
+}
+
+# probes/merge_probe.py: the partial merge's config search (writes the winner)
+step_mergeprobe() {
+  timeout 150 python3 benchmarks/probes/merge_probe.py --out "$CFG" 2>&1 | flt | tee "$OUT/merge_probe.log" \
+    | tail -14
+  keep_config
+}
+
+# probes/filter_probe.py: the gradient filter's mask statistics and masked_mm configs (writes them;
+# PROBE_SHAPES=llama3, PROBE_TAIL=30)
+step_filterprobe() {
+  timeout 300 python3 benchmarks/probes/filter_probe.py --shapes ${PROBE_SHAPES:-llama3} --write-config "$CFG" \
+    --out "$OUT" 2>&1 | flt | tee "$OUT/filter_probe.log" | tail -${PROBE_TAIL:-30}
+  keep_config
+}
+
+# ---------------------------------------------------------------- probes: where the loss's time goes
+# probes/kernel_profile.py: torch.profiler kernel classes and gaps, TP=1 (PROFILE_SHAPES, PROFILE_DATA,
+# PROFILE_ARGS, e.g. "--mode fwd --dtype fp32 --n 4096"; PROFILE_TAG, e.g. _fwd, names the log)
+step_profile() {
+  timeout 280 python3 benchmarks/probes/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} \
+    --data ${PROFILE_DATA:-random,realistic} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt \
+    | tee "$OUT/profile${PROFILE_TAG:-}.log" | tail -30
+}
+
+# probes/kernel_profile.py under torchrun on every GPU (PROFILE_SHAPES, PROFILE_DATA, PROFILE_ARGS)
+step_tpprofile() {
+  timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/probes/kernel_profile.py \
+    --shapes ${PROFILE_SHAPES:-llama3,gemma} --data ${PROFILE_DATA:-random,realistic} ${PROFILE_ARGS:-} \
+    --out "$OUT" 2>&1 | tflt | tee "$OUT/profile_tp.log" | tail -30
+}
+
+# probes/event_probe.py: the loss split by CUDA events, fwd+bwd then forward (PROBE_SHAPES, PROBE_DATA)
+step_eventprobe() {
+  for m in fb fwd; do
+    timeout 280 python3 benchmarks/probes/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} \
+      --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"
+    summary "$OUT/event_probe_$m.log" event_probe
+  done
+}
+
+# probes/epilogue_probe.py: the store pass's epilogue part by part (PROBE_SHAPES, PROBE_DATA, PROBE_ARGS,
+# PROBE_TIMEOUT=560)
+step_epiprobe() {
+  timeout ${PROBE_TIMEOUT:-560} python3 benchmarks/probes/epilogue_probe.py --shapes ${PROBE_SHAPES:-llama3,gemma} \
+    --data ${PROBE_DATA:-random,realistic} ${PROBE_ARGS:-} 2>&1 | flt > "$OUT/epilogue_probe.log"
+  summary "$OUT/epilogue_probe.log" epilogue_probe
+}
+
+# probes/op_trace.py: the torch ops and CUDA kernels of one call, by name (PROBE_SHAPES, PROBE_DATA=random)
+step_optrace() {
+  timeout 200 python3 benchmarks/probes/op_trace.py --shapes ${PROBE_SHAPES:-llama3,gemma} \
+    --data ${PROBE_DATA:-random} 2>&1 | flt > "$OUT/op_trace.log"
+  grep "===\|CUDA kernels of one call" "$OUT/op_trace.log"
+}
+
+# probes/launch_probe.py: one store launch by CUDA events vs by the profiler
+step_launchprobe() {
+  timeout 120 python3 benchmarks/probes/launch_probe.py 2>&1 | flt | tee "$OUT/launch_probe.log" | tail -2
+}
+
+# probes/scale_probe.py: the grad_output pass vs _foreach_mul_ on 1 GiB (SCALE_BLOCKS, e.g. 16384:8,8192:8)
+step_scaleprobe() {
+  timeout 90 python3 benchmarks/probes/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt \
+    | tee "$OUT/scale_probe.log" | tail -4
+}
+
+# ---------------------------------------------------------------- training
+# the launcher on the small model: tokens/s and memory per layout (TRAIN_RUNS="2:flce 1:flce 1:torch" as
+# NGPU:head, TRAIN_STEPS=120)
+step_train() {
+  for run in ${TRAIN_RUNS:-2:flce 1:flce 1:torch}; do
+    set -- ${run/:/ }
+    small_train $1 200 --head $2 --overwrite --set parallel.tp=$1 --set job.out_dir=runs/gpu_$2_$1 \
+      --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt | tee "$OUT/train_$2_$1.log" \
+      | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"
+  done
+}
+
+# train_bench.sh: the ~1.2B Llama's tokens/s and memory per layout and head (RUNS, BATCHES: see the script)
+step_trainbench() {
+  OUT="$OUT/train_bench" timeout 590 bash benchmarks/train_bench.sh 2>&1 | flt | tail -12
+}
+
+# the small model's loss curve, exact vs grad_filter_eps="auto", 1 GPU, then compare_losses.py (TRAIN_STEPS=200)
+step_filtertrain() {
+  for e in "" auto; do
+    tag=${e:-exact}
+    small_train 1 200 --overwrite --set parallel.tp=1 --set training.steps=${TRAIN_STEPS:-200} \
+      --set model.grad_filter_eps=\"$e\" --set job.out_dir=\"runs/gpu_filter_$tag\" --set job.progress=\"off\" \
+      --set checkpoint.ckpt_every=0 2>&1 | flt > "$OUT/train_filter_$tag.log"
+    cp runs/gpu_filter_$tag/losses.json "$OUT/losses_filter_$tag.json"
+    tail -1 "$OUT/train_filter_$tag.log"
+  done
+  python3 benchmarks/compare_losses.py "$OUT/losses_filter_exact.json" "$OUT/losses_filter_auto.json" 2>&1 \
+    | tee "$OUT/filter_curve.txt" | tail -4
+}
+
+# the trained data mode end to end: the launcher trains the small model, capture_trained.py reads its
+# checkpoint into the fixture, bench.py --data trained times every peer on it (TRAIN_STEPS=300, BENCH_IMPLS)
+step_trainedbench() {
+  local st=${TRAIN_STEPS:-300}
+  small_train 1 240 --overwrite --set parallel.tp=1 --set training.steps=$st --set checkpoint.ckpt_every=$st \
+    --set job.out_dir=\"runs/gpu_trained\" --set job.progress=\"off\" 2>&1 | flt > "$OUT/train_trained.log"
+  tail -1 "$OUT/train_trained.log"
+  timeout 150 python3 benchmarks/capture_trained.py --checkpoint runs/gpu_trained/checkpoints/step_$(printf %08d $st) \
+    --config $SMALL --out benchmarks/fixtures/trained.pt 2>&1 | flt | tee "$OUT/capture_trained.log" | tail -2
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --data trained --fixture benchmarks/fixtures/trained.pt \
+    --impls ${BENCH_IMPLS:-flce,flce_filter,cce,cce_exact,liger,torch} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 \
+    | flt | tee "$OUT/bench_trained.log" | tail -${BENCH_TAIL:-10}
+}
+
+# ---------------------------------------------------------------- QuACK (wheels: benchmarks/quack_wheels.sh)
+# QuACK's wheels, first half (carry .qk1; the next call on the same machine: quack2)
+step_quack1() { mkdir -p /tmp/qk && cp .qk1/* /tmp/qk/; }
+
+# QuACK's wheels, second half (carry .qk2): joined, checked, installed, put on PYTHONPATH for later steps
+step_quack2() {
+  cp .qk2/* /tmp/qk/ && (cd /tmp/qk && cat cu12.whl.part00 cu12.whl.part01 > "$(cut -d' ' -f3 cu12.sha256)" \
+    && sha256sum -c cu12.sha256 && rm -f cu12.whl.part* \
+    && python3 -m pip install -q --no-deps --no-index --target /tmp/site-packages /tmp/qk/*.whl) 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-$PWD}
+}
+
+# ---------------------------------------------------------------- the call
+list_steps() {  # each step_<name> with the comment lines right above it
+  awk '/^# ---/ { d = ""; next }
+       /^# / { d = d (d ? " " : "") substr($0, 3); next }
+       /^step_[a-z0-9]+\(\)/ { n = $1; sub(/^step_/, "", n); sub(/\(\).*/, "", n); printf "  %-13s %s\n", n, d }
+       { d = "" }' "${BASH_SOURCE[0]}"
+}
+
+if [ "${1:-}" = --list ] || [ "${1:-}" = -l ] || [ "${1:-}" = --help ] || [ "${1:-}" = -h ]; then
+  echo "bash benchmarks/device.sh STEP [STEP ...]   (default: tests bench); the steps:"
+  list_steps
+  exit 0
+fi
+steps=${*:-tests bench}
+for w in $steps; do
+  declare -F "step_$w" > /dev/null || { echo "device.sh: unknown step '$w' (bash benchmarks/device.sh --list)" >&2; exit 2; }
+done
+
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then  # once per machine (a second device.sh in the same call, e.g. on the other GPU, reuses it)
   if [ ! -f /tmp/site/.flce_ok ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || exit 1
     touch /tmp/site/.flce_ok
   fi
   export PYTHONPATH=/tmp/site:$PWD
 fi
 ngpu=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
-{ cat .device_commit 2>/dev/null || git rev-parse --short HEAD; } | tee "$OUT/commit.txt"  # the device copy has no .git: before the call run `git rev-parse --short HEAD > .device_commit` and carry it
-flt() { grep -v "DEBUG\|registered at"; }
-for w in ${*:-tests bench}; do
-  case $w in
-    tests) timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | flt | tee "$OUT/gpu_tests.log" | tail -8 ;;
-    tunestore) timeout 360 python3 -m flce_dist.tune --only lse_forward_store --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_store.log" | tail -14; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
-    tunecls) timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class --only lse_forward,lse_forward_store --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_h${TUNE_H:-2304}.log" | grep -v failed | tail -28; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
-    tunepers) for sh in "" "--h 2304 --v 262208 --shape-class --rows 1664"; do  # run 17: flattened persistent logits kernels, llama3 then gemma's class
-               timeout 200 python3 -m flce_dist.tune --candidates persistent --only lse_forward,lse_forward_store $sh --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee -a "$OUT/tune_pers.log" | grep -v failed; done | tail -${TUNE_TAIL:-44}; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
-    storeab) for cfg in "" benchmarks/results/run17/store_winner; do tag=$([ -n "$cfg" ] && echo run17store || echo shipped)  # run 17's puzzle: a faster store kernel, a slower loss
-               FLCE_CONFIG_DIR=$cfg timeout 200 python3 benchmarks/ab_flce.py --tag $tag --shapes ${AB_SHAPES:-llama3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\["
-               FLCE_CONFIG_DIR=$cfg timeout 250 python3 benchmarks/kernel_profile.py --shapes llama3 --data ${AB_DATA:-random,realistic} 2>&1 | flt > "$OUT/profile_$tag.log"; tail -14 "$OUT/profile_$tag.log"; done | tee "$OUT/storeab.log" ;;
-    chunksweep) for mb in ${CHUNK_MBS:-default 2048 4200}; do  # run 21: chunk budgets (MiB; default: the 1 GiB plan) against the three distinct matmuls and the plan's own cuBLAS work
-                  FLCE_CHUNK_MB=${mb#default} timeout 190 python3 benchmarks/ab_flce.py --tag "c$mb" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} \
-                    --data ${AB_DATA:-random,realistic} --reps 15 --out "$OUT" 2>&1 | flt | grep "^\["; done | tee "$OUT/chunk_sweep.log" ;;
-    gradab) timeout 560 python3 benchmarks/ab_flce.py --tag gf --grad-forms chunk_grad,rowscale --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} 2>&1 | flt | grep "^\[" | tee "$OUT/gradab.log" ;;  # rowscale.py vs chunk_grad_, A B A B in one process
-    gradbench) timeout 420 python3 benchmarks/bench.py --impls flce,flce_chunkgrad --data random,realistic --reps ${BENCH_REPS:-10} --out "$OUT" 2>&1 | flt | tee "$OUT/gradbench.log" | tail -16 ;;
-    eventprobe) for m in fb fwd; do timeout 280 python3 benchmarks/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"  # the loss split by CUDA events, no profiler
-                 grep -q "=== event_probe summary" "$OUT/event_probe_$m.log" && sed -n '/=== event_probe summary/,$p' "$OUT/event_probe_$m.log" || tail -20 "$OUT/event_probe_$m.log"; done ;;
-    mergeprobe) timeout 150 python3 benchmarks/merge_probe.py --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/merge_probe.log" | tail -14; cp flce_dist/configs/helion/h200.json "$OUT/" ;;  # the partial merge's config (writes the winner)
-    epiprobe) timeout ${PROBE_TIMEOUT:-560} python3 benchmarks/epilogue_probe.py --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random,realistic} ${PROBE_ARGS:-} 2>&1 | flt > "$OUT/epilogue_probe.log"  # run 20: the store pass's epilogue, part by part
-              grep -q "=== epilogue_probe summary" "$OUT/epilogue_probe.log" && sed -n '/=== epilogue_probe summary/,$p' "$OUT/epilogue_probe.log" || tail -20 "$OUT/epilogue_probe.log" ;;
-    optrace) timeout 200 python3 benchmarks/op_trace.py --shapes ${PROBE_SHAPES:-llama3,gemma} --data ${PROBE_DATA:-random} 2>&1 | flt > "$OUT/op_trace.log"  # run 21: the small ops and kernels of one call, by name
-             grep "===\|CUDA kernels of one call" "$OUT/op_trace.log" ;;
-    launchprobe) timeout 120 python3 benchmarks/launch_probe.py 2>&1 | flt | tee "$OUT/launch_probe.log" | tail -2 ;;  # where the profile's "idle" goes
-    scaleprobe) timeout 90 python3 benchmarks/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt | tee "$OUT/scale_probe.log" | tail -4 ;;
-    tunechunk) timeout 300 python3 -m flce_dist.tune --only chunk_stats,chunk_grad ${TUNE_ARGS:-} --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune_chunk.log" | grep -v failed | tail -${TUNE_TAIL:-40}; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
-    tune) timeout 420 python3 -m flce_dist.tune --out flce_dist/configs/helion/h200.json 2>&1 | flt | tee "$OUT/tune.log" | tail -40; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
-    sweep) for mb in 256 512 1024; do echo "FLCE_CHUNK_MB=$mb"; FLCE_CHUNK_MB=$mb timeout 120 python3 benchmarks/bench.py --shapes llama3 --impls flce --reps 8 2>&1 | flt | tail -3; done | tee "$OUT/sweep.log" ;;
-    bench) timeout 300 python3 benchmarks/bench.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench.log" | tail -30 ;;
-    benchab) timeout 300 python3 benchmarks/bench.py --impls flce,flce_cublas,torch --reps 12 --out "$OUT" 2>&1 | flt | tee "$OUT/benchab.log" | tail -14 ;;
-    trainbench) OUT="$OUT/train_bench" timeout 590 bash benchmarks/train_bench.sh 2>&1 | flt | tail -12 ;;  # RUNS=, BATCHES= (see the script)
-    dtensor) timeout 300 torchrun --nproc_per_node="$ngpu" tests/dtensor_checks.py --backend nccl 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/dtensor_tests.log" | grep "FAIL\|passed\|Error" | tail -12 ;;
-    ab) for tree in ${AB_TREES:-.old .}; do  # before/after a refactor: the loss alone vs the matmul, same machine
-          tag=$([ "$tree" = . ] && echo new || echo "$tree")
-          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 280 python3 benchmarks/ab_flce.py --tag "$tag" --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\[" ; done | tee "$OUT/ab.log" ;;
-    fwdab) for tree in ${AB_TREES:-.old .}; do  # run 22: the forward against the bare matmul, interleaved rounds (ab_flce.py --fwd-rounds)
-          tag=$([ "$tree" = . ] && echo new || echo "$tree")
-          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 200 python3 benchmarks/ab_flce.py --tag "$tag" --fwd-only --fwd-rounds ${FWD_ROUNDS:-5} --reps 10 \
-            --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\[" ; done | tee "$OUT/fwdab.log" ;;
-    shardab) timeout ${AB_TIMEOUT:-280} python3 benchmarks/ab_flce.py --tag "tp${SHARD:-2}rank" --shard ${SHARD:-2} --fwd-rounds 3 --reps ${AB_REPS:-10} \
-               --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt | grep "^\[" | tee "$OUT/shardab.log" ;;  # run 22: one TP rank's work on one GPU, no collectives
-    tpab) for tree in ${AB_TREES:-.old .}; do  # TP=2 before/after (e.g. the per-call guard): flce vs its floor, same machine
-          tag=$([ "$tree" = . ] && echo new || echo "$tree")
-          PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 240 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --impls flce \
-            --data random --shapes ${AB_SHAPES:-llama3,gemma} --reps 10 2>&1 | flt | grep -v "^W1\|^I1" | tail -6 | sed "s/^/[$tag] /"; done | tee "$OUT/tpab.log" ;;
-    tests32) timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py -k "dtype0 or memory" 2>&1 | flt | tee "$OUT/gpu_tests32.log" | tail -6 ;;
-    bench32) timeout 200 python3 benchmarks/bench.py --dtype fp32 --n 4096 --reps 5 --shapes llama3 --impls flce,torch --out "$OUT" 2>&1 | flt | tee "$OUT/bench32${FLCE_CHUNK_MB:+_$FLCE_CHUNK_MB}.log" | tail -6 ;;
-    profile) timeout 280 python3 benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} --data ${PROFILE_DATA:-random,realistic} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | tee "$OUT/profile${PROFILE_TAG:-}.log" | tail -30 ;;
-    tpprofile) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/kernel_profile.py --shapes ${PROFILE_SHAPES:-llama3,gemma} --data ${PROFILE_DATA:-random,realistic} ${PROFILE_ARGS:-} --out "$OUT" 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/profile_tp.log" | tail -30 ;;
-    train) for run in ${TRAIN_RUNS:-2:flce 1:flce 1:torch}; do set -- ${run/:/ }
-             NGPU=$1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --head $2 \
-               --overwrite --set parallel.tp=$1 --set job.out_dir=runs/gpu_$2_$1 --set training.steps=${TRAIN_STEPS:-120} --set job.progress=off 2>&1 | flt \
-               | tee "$OUT/train_$2_$1.log" | grep "steady state\|done:\|Error" | sed "s/^/[NGPU=$1 head=$2] /"; done ;;
-    ds) DS_ACCELERATOR=cuda FLCE_DS_BACKEND=nccl timeout 300 torchrun --nproc_per_node="$ngpu" tests/test_integrations.py ds 1 2 3 2>&1 | flt | tee "$OUT/ds_nccl.log" | grep "ds stage\|FAIL\|Error" | tail -12 ;;
-    scaling) for n in ${SCALING_N:-8192}; do for p in 1 2 4 8; do [ "$p" -le "$ngpu" ] || continue
-               timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node=$p benchmarks/bench_tp.py --n $n --impls ${SCALING_IMPLS:-flce,megatron} \
-                 --out "$OUT" 2>&1 | flt | grep -v "^W1\|^I1" | tail -9; done; done | tee "$OUT/scaling_runs.log"
-             python3 benchmarks/scaling.py "$OUT" --out "$OUT" 2>&1 | tail -30 ;;
-    tp) timeout ${TP_TIMEOUT:-300} torchrun --nproc_per_node="$ngpu" tests/dist_checks.py --backend nccl --big $([ "$ngpu" -gt 2 ] && echo --quick) ${TP_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/tp_tests.log" | grep "FAIL\|passed\|big\|Error\|rank 0\] case" | tail -20 ;;
-    tpquick) timeout 90 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --shapes llama3 --impls flce,megatron --reps 5 --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp_quick.log" | tail -6 ;;
-    rl) timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40} ;;
-    tprl) timeout ${RL_TIMEOUT:-480} torchrun --nproc_per_node="$ngpu" benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt | grep -v "^W1\|^I1" | tee "$OUT/bench_rl_tp.log" | tail -${RL_TAIL:-40} ;;
-    filterprobe) timeout 300 python3 benchmarks/filter_probe.py --shapes ${PROBE_SHAPES:-llama3} --write-config flce_dist/configs/helion/h200.json --out "$OUT" 2>&1 | flt | tee "$OUT/filter_probe.log" | tail -${PROBE_TAIL:-30}; cp flce_dist/configs/helion/h200.json "$OUT/" ;;
-    benchfilter) timeout 330 python3 benchmarks/bench.py --impls ${BENCH_IMPLS:-flce,flce_filter,cce,cce_exact} --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_filter.log" | tail -${BENCH_TAIL:-30} ;;
-    filtertrain) for e in "" auto; do tag=${e:-exact}  # the small model's loss curve, exact vs grad_filter_eps="auto" (1 GPU)
-             NGPU=1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 200 bash launch/train.sh --overwrite --set parallel.tp=1 \
-               --set training.steps=${TRAIN_STEPS:-200} --set model.grad_filter_eps=\"$e\" --set job.out_dir=\"runs/gpu_filter_$tag\" --set job.progress=\"off\" \
-               --set checkpoint.ckpt_every=0 2>&1 | flt > "$OUT/train_filter_$tag.log"; cp runs/gpu_filter_$tag/losses.json "$OUT/losses_filter_$tag.json"; tail -1 "$OUT/train_filter_$tag.log"; done
-             python3 benchmarks/compare_losses.py "$OUT/losses_filter_exact.json" "$OUT/losses_filter_auto.json" 2>&1 | tee "$OUT/filter_curve.txt" | tail -4 ;;
-    trainedbench) st=${TRAIN_STEPS:-300}  # issue 15 item 1: a model launch/train.py trained here, its DCP checkpoint -> the trained fixture -> bench
-             NGPU=1 TORCHRUN=torchrun CONFIG=configs/train/llama_small_gpu.toml timeout 240 bash launch/train.sh --overwrite --set parallel.tp=1 \
-               --set training.steps=$st --set checkpoint.ckpt_every=$st --set job.out_dir=\"runs/gpu_trained\" --set job.progress=\"off\" 2>&1 | flt > "$OUT/train_trained.log"; tail -1 "$OUT/train_trained.log"
-             timeout 150 python3 benchmarks/capture_trained.py --checkpoint runs/gpu_trained/checkpoints/step_$(printf %08d $st) \
-               --config configs/train/llama_small_gpu.toml --out benchmarks/fixtures/trained.pt 2>&1 | flt | tee "$OUT/capture_trained.log" | tail -2
-             timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --data trained --fixture benchmarks/fixtures/trained.pt --impls ${BENCH_IMPLS:-flce,flce_filter,cce,cce_exact,liger,torch} \
-               --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_trained.log" | tail -${BENCH_TAIL:-10} ;;
-    quack1) mkdir -p /tmp/qk && cp .qk1/* /tmp/qk/ ;;  # QuACK's wheels, first half (benchmarks/quack_wheels.sh)
-    quack2) cp .qk2/* /tmp/qk/ && (cd /tmp/qk && cat cu12.whl.part00 cu12.whl.part01 > "$(cut -d' ' -f3 cu12.sha256)" && sha256sum -c cu12.sha256 \
-              && rm -f cu12.whl.part* && python3 -m pip install -q --no-deps --no-index --target /tmp/site-packages /tmp/qk/*.whl) 2>&1 | tail -2
-            export PYTHONPATH=/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-$PWD} ;;
-    benchquack) timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} --impls ${BENCH_IMPLS:-flce,flce_filter,quack,quack_c2048,cce} --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} --out "$OUT" 2>&1 | flt | tee "$OUT/bench_quack.log" | tail -${BENCH_TAIL:-32} ;;
-    tpbench) timeout 400 torchrun --nproc_per_node="$ngpu" benchmarks/bench_tp.py --out "$OUT" 2>&1 | flt | tee "$OUT/bench_tp.log" | tail -30 ;;
-  esac
+{ cat .device_commit 2>/dev/null || git rev-parse --short HEAD; } | tee "$OUT/commit.txt"
+for w in $steps; do
+  "step_$w"
 done

@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import csv
 import re
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flce_dist._timing import write_csv  # noqa: E402
+import common
 
 _NAME = re.compile(r"bench_tp(\d+)(?:_n(\d+))?(?:_[a-z_]+)?\.csv$")  # optional _<data modes> suffix
 
@@ -101,7 +99,7 @@ def main() -> None:
     rows = efficiency(load(args.dirs, args.impl, args.data))
     if not rows:
         raise SystemExit("no (shape, N) with a P=1 run found")
-    write_csv(rows, "scaling.csv", [args.out] if args.out else [])
+    common.save(rows, "scaling.csv", args)
     png = Path(args.out or Path(__file__).resolve().parent / "results") / "scaling.png"
     plot(rows, png)
     print(f"\n{args.impl}: ideal = T(1)/P + dX all-reduce(P); efficiency = ideal / measured  (wrote {png})")

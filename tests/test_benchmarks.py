@@ -1,19 +1,26 @@
 """The benchmark helpers that need no GPU: the TP scaling-efficiency arithmetic, the data modes
-(benchmarks/data.py), the benchmarks' argument parsing and the plot of data-mode CSVs."""
+(benchmarks/data.py), the benchmarks' argument parsing (benchmarks/common.py), the plot of data-mode
+CSVs, the probes in benchmarks/probes/ and benchmarks/device.sh's list of steps."""
 
 from __future__ import annotations
 
 import csv
 import math
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH / "probes"))  # the one-off probes (they put benchmarks/ on the path themselves)
+sys.path.insert(0, str(BENCH))
 scaling = pytest.importorskip("scaling")
 bench_data = pytest.importorskip("data")
+common = pytest.importorskip("common")
 
 
 def _write(path: Path, p: int, n: int, flce_ms: float, ar_ms: float) -> None:
@@ -158,24 +165,28 @@ def test_bench_argument_parsing():
     assert a.data == ["random", "realistic"] and a.impls == ""
     a = bench.parse_args(["--data", "realistic", "--impls", "cce_exact", "--shapes", "gemma"])
     assert a.data == ["realistic"] and a.impls.split(",") == ["cce_exact"]
-    assert bench.cases(a) == [("gemma", "realistic", 2304, 262208)]
+    assert common.cases(a) == [("gemma", "realistic", 2304, 262208)]
     a = bench.parse_args(["--data", "random,realistic", "--shapes", "llama3,qwen3"])
-    assert [c[:2] for c in bench.cases(a)] == [("llama3", "random"), ("llama3", "realistic"), ("qwen3", "random"),
+    assert [c[:2] for c in common.cases(a)] == [("llama3", "random"), ("llama3", "realistic"), ("qwen3", "random"),
                                                ("qwen3", "realistic")]
     for bad in (["--data", "uniform"], ["--data", "trained"], ["--shapes", "gpt2"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
-    assert bench.csv_suffix(["random", "realistic"]) == "" and bench.csv_suffix(["realistic"]) == "_realistic"
+    assert common.csv_suffix(["random", "realistic"]) == "" and common.csv_suffix(["realistic"]) == "_realistic"
+    assert common.csv_name("bench_tp2", ["realistic"], 32768) == "bench_tp2_n32768_realistic.csv"
+    assert common.csv_name("bench_bf16", ["random", "realistic"], 8192) == common.csv_name("bench_bf16", ["random", "realistic"]) \
+        == "bench_bf16.csv"
     assert scaling._NAME.search("bench_tp2_n32768_realistic.csv").groups() == ("2", "32768")
     bench_tp = pytest.importorskip("bench_tp")
     a = bench_tp.parse_args(["--data", "realistic", "--impls", "flce,megatron"])
     assert a.data == ["realistic"]
-    with pytest.raises(SystemExit):
-        bench_tp.parse_args(["--data", "nope"])
+    for bad in (["--data", "nope"], ["--shapes", "gpt2"]):
+        with pytest.raises(SystemExit):
+            bench_tp.parse_args(bad)
 
 
 def test_bench_chunk_plan_and_table(capsys):
-    """bench.chunk_plan gives the fused strategy's own rows (the CPU plan: 256 MiB chunks; an explicit
+    """common.chunk_plan gives the fused strategy's own rows (the CPU plan: 256 MiB chunks; an explicit
     budget through the settings), and the table prints ``xplan``, the ratio to that plan's cuBLAS work."""
     bench = pytest.importorskip("bench")
     import flce_dist
@@ -183,10 +194,10 @@ def test_bench_chunk_plan_and_table(capsys):
     from flce_dist.settings import current
 
     x = torch.randn(5000, 64, dtype=torch.bfloat16)
-    assert bench.chunk_plan(x, 300000) == chunk_rows(5000, 300000, 2, x.device, current())
-    assert bench.chunk_plan(x, 300000) < 5000  # several chunks at this V: the plan is not the whole batch
+    assert common.chunk_plan(x, 300000) == chunk_rows(5000, 300000, 2, x.device, current())
+    assert common.chunk_plan(x, 300000) < 5000  # several chunks at this V: the plan is not the whole batch
     with flce_dist.override(chunk_bytes=1 << 20):
-        assert bench.chunk_plan(x, 4096) == 125  # 1 MiB = 128 rows of 4096 bf16, balanced: 40 chunks of 125
+        assert common.chunk_plan(x, 4096) == 125  # 1 MiB = 128 rows of 4096 bf16, balanced: 40 chunks of 125
     row = dict(shape="llama3", data="random", impl="flce", fwd_bwd_ms=40.0, ratio_fb=1.1, steady_ms=39.0,
                ratio_steady=1.05, fwd_ms=13.0, ratio_f=1.05, mem_gib=1.7, extra_gib=0.74, fwd_mem_gib=0.05,
                ratio_fb3=1.05, ratio_plan=1.0123)
@@ -252,7 +263,7 @@ def test_capture_from_dcp_checkpoint(tmp_path):
 
 
 def test_probe_scripts_import_and_wrap():
-    """benchmarks/event_probe.py, merge_probe.py and kernel_profile.py import without a GPU (their CUDA work is in
+    """benchmarks/probes/event_probe.py, merge_probe.py and kernel_profile.py import without a GPU (their CUDA work is in
     main); the event probe's bracket passes calls through while off and restores what it wrapped."""
     event_probe = pytest.importorskip("event_probe")
     merge_probe = pytest.importorskip("merge_probe")
@@ -272,7 +283,7 @@ def test_probe_scripts_import_and_wrap():
 
 
 def test_epilogue_probe_parts_and_three_matmuls():
-    """benchmarks/epilogue_probe.py's parts 5, 7, 8 are the shipped store pass (same partials and
+    """benchmarks/probes/epilogue_probe.py's parts 5, 7, 8 are the shipped store pass (same partials and
     stored exponentials), part 4 merges to the same lse and target logit against the reference; and
     ``_timing.three_matmuls`` runs the layer's three distinct matmuls; ``energy_j`` is None without a GPU."""
     from flce_dist import rowscale
@@ -349,7 +360,7 @@ def _small_call_inputs(n: int, v: int) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def test_op_trace_names_the_small_ops():
-    """benchmarks/op_trace.py on the CPU (reference mode): the Helion launches of one fused call are
+    """benchmarks/probes/op_trace.py on the CPU (reference mode): the Helion launches of one fused call are
     marked in order, the torch ops outside them are counted apart from those their host code runs,
     and ``_launch`` is restored afterwards."""
     import flce_dist
@@ -473,7 +484,7 @@ def test_ab_flce_interleaves_the_forward_with_its_matmul(monkeypatch):
 
 def test_ab_flce_shard_emulates_one_rank(monkeypatch):
     """ab_flce.py --shard P: rank 0's rows of the full head, targets folded into the shard, and each
-    case yielded inside the chunk budget that gives the loss the rank's chunk rows (bench.chunk_plan
+    case yielded inside the chunk budget that gives the loss the rank's chunk rows (common.chunk_plan
     agrees), the override gone after the case; --shard 1 leaves the case alone; --shard 0 is refused."""
     import argparse
     import subprocess
@@ -499,7 +510,7 @@ def test_ab_flce_shard_emulates_one_rank(monkeypatch):
         assert torch.equal(w, wf[:25001]) and w.requires_grad and torch.equal(t, tf % 25001) and (tf >= 25001).any()
         budget = flce_dist.settings.current().chunk_bytes
         assert budget is not None and budget % (25001 * 4) == 0
-        assert ab.bench.chunk_plan(x, v) == budget // (25001 * 4) < 3000  # the rank's rows, several chunks
+        assert ab.common.chunk_plan(x, v) == budget // (25001 * 4) < 3000  # the rank's rows, several chunks
         seen += 1
     assert seen == 2 and flce_dist.settings.current().chunk_bytes == before
     args.shard = 1
@@ -550,3 +561,36 @@ def test_ab_flce_main_writes_loss_and_forward_csvs(monkeypatch, tmp_path, capsys
     assert loss["shape"] == "odd/2" and float(loss["ratio_dist3"]) == 1.0 and "rounds" not in loss
     assert fwd["shape"] == "odd/2" and fwd["rounds"] == "2" and float(fwd["ratio_1mm"]) == 1.0
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["ab_t.csv", "ab_t_fwd.csv"]
+
+
+# every step name a GPU call has used (the old case statement's, and "none": the wheel install alone)
+DEVICE_STEPS = """none tests rl tprl dtensor ab fwdab shardab tpab tune tunestore tunecls tunepers storeab chunksweep gradab
+gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32
+profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1
+quack2 benchquack""".split()
+
+
+def test_device_sh_lists_every_step_with_what_it_measures(tmp_path):
+    """``bash benchmarks/device.sh --list``: one line per ``step_<name>`` function, each with its
+    description (the comment above the function); every step name of before is still a step; every
+    script and test file a step runs exists; an unknown step is refused (exit 2) before the call
+    does anything (no wheel install, nothing in $OUT)."""
+    sh = BENCH / "device.sh"
+    assert subprocess.run(["bash", "-n", str(sh)]).returncode == 0
+    r = subprocess.run(["bash", str(sh), "--list"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    listed = {}
+    for line in r.stdout.splitlines()[1:]:
+        name, _, desc = line.strip().partition(" ")
+        listed[name] = desc.strip()
+    text = sh.read_text()
+    assert sorted(listed) == sorted(re.findall(r"^step_([a-z0-9]+)\(\)", text, re.M))
+    assert set(DEVICE_STEPS) <= set(listed), set(DEVICE_STEPS) - set(listed)
+    short = {k: d for k, d in listed.items() if len(d.split()) < 4}
+    assert not short, f"steps without a description: {short}"
+    for path in set(re.findall(r"(?:benchmarks|tests|launch)/[\w/]+\.(?:py|sh)", text)):
+        assert (BENCH.parent / path).is_file(), path
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", str(sh), "tests", "nosuchstep"], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "OUT": str(out)}, cwd=tmp_path)
+    assert r.returncode == 2 and "unknown step 'nosuchstep'" in r.stderr and not out.exists()

@@ -1,6 +1,6 @@
 """What each part of the store pass's epilogue costs, alone and inside the loss.
 
-    python3 benchmarks/epilogue_probe.py [--shapes llama3,gemma] [--parts 0,1,2,3,4,5] [--reps 10]
+    python3 benchmarks/probes/epilogue_probe.py [--shapes llama3,gemma] [--parts 0,1,2,3,4,5] [--reps 10]
         [--data random,realistic] [--repeat 1] [--energy-calls 25]
 
 The fused row-scale loss's store pass (``kernels/lse_forward.py`` with store == 2) ran 1.09-1.12x
@@ -48,20 +48,20 @@ import argparse
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import common  # noqa: E402,I001  (first: puts the repository's flce_dist on the path where none is)
+
 import helion
 import helion.language as hl
 import torch
 
 import flce_dist
 from flce_dist import rowscale
-from flce_dist._timing import SHAPES, cuda_steady_ms, energy_j, three_matmuls
+from flce_dist._timing import cuda_steady_ms, energy_j, three_matmuls
 from flce_dist.kernels import launch
 from flce_dist.kernels.common import LOG2E, SETTINGS
 from flce_dist.settings import current
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
-import bench  # noqa: E402
-import data as bench_data  # noqa: E402
 from ab_flce import case_inputs  # noqa: E402
 
 NAMES = {0: "store logits", 1: "+ exp(y-r)", 2: "+ sum", 3: "+ max", 4: "+ target (ref)", 5: "shipped epilogue", 6: "shipped, no store", 7: "shipped, target per tile", 8: "7 without the valid mask", 9: "5, target by its own dot"}
@@ -252,24 +252,21 @@ class _Bound:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="llama3,gemma")
+    common.add_case_args(ap, shapes="llama3,gemma", out=False)
     ap.add_argument("--parts", default="0,1,2,3,4,5,6")
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=1, help="time the variants' loss this many times, in turn")
     ap.add_argument("--energy-calls", type=int, default=25, help="back-to-back calls per NVML energy reading "
                     "(~1 s of work; 0: no energy columns)")
-    bench_data.add_data_args(ap)
     a = ap.parse_args()
-    bench_data.check_data_args(ap, a)
+    common.check_case_args(ap, a)
     kernels = launch._kernels()
     shipped = kernels["lse_forward"]
     s = current()
     rows = []
-    for shape, mode, h, v in bench_data.cases(a.shapes, a.data, SHAPES, a.fixture):
+    for shape, mode, h, v in common.cases(a):
         x, w, t = case_inputs(a.n, h, v, mode, a.sorted_vocab, a.fixture)  # random: ab_flce.py's inputs
         name = f"{shape}/{mode}"
-        rows_c = bench.chunk_plan(x, v)  # the loss's own chunk
+        rows_c = common.chunk_plan(x, v)  # the loss's own chunk
         xc, tc = x.detach()[:rows_c], t[:rows_c].to(torch.int32)
         zc = torch.empty(rows_c, v, device="cuda", dtype=torch.bfloat16)
         rc = rowscale.reference(xc, w.detach(), 1.0)
@@ -297,10 +294,7 @@ def main() -> None:
                 one = cuda_steady_ms(lambda: launch.lse_forward(xc, w.detach(), None, tc, 1.0, 0.0, False, s,
                                                                 z_out=zc, exp_ref=rc), a.reps)
 
-                def step():
-                    x.grad = w.grad = None
-                    flce_dist.fused_linear_cross_entropy(x, w, t).backward()
-
+                step = common.fwd_bwd(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), x, w)
                 fb = cuda_steady_ms(step, a.reps)
                 ej = energy_j(step, a.energy_calls) if e3 else None
             except Exception as e:  # noqa: BLE001

@@ -1,7 +1,7 @@
 """Is the fused loss's "idle" time in the Helion launches? (kernel_profile.py: wall - kernels ~2.4 ms
 at llama3 while the profiled timeline's gaps between kernels add up to ~0.6 ms.)
 
-    python3 benchmarks/launch_probe.py [--rows 2816] [--h 4096] [--v 128256]
+    python3 benchmarks/probes/launch_probe.py [--rows 2816] [--h 4096] [--v 128256]
 
 Times one fused-strategy store pass (``launch.lse_forward`` storing exponentials, as rowscale.py runs
 it) on a token chunk three ways: CUDA events around 5 back-to-back calls, CUDA events around 5

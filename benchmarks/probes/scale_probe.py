@@ -3,7 +3,7 @@ previous route) on a llama3-sized dW (128256 x 4096 bf16, 1 GiB), grad_output 1 
 events, median of 20 after warm-up, plus a bit-exactness check at that size; ``--blocks`` also
 times other tile sizes (elements per program : warps) against the shipped one.
 
-    python3 benchmarks/scale_probe.py [--blocks 16384:8,8192:8]
+    python3 benchmarks/probes/scale_probe.py [--blocks 16384:8,8192:8]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A small search for the partial merge's config (``kernels/merge.py``) at the benchmark shapes.
 
-    python3 benchmarks/merge_probe.py [--out flce_dist/configs/helion/h200.json]
+    python3 benchmarks/probes/merge_probe.py [--out flce_dist/configs/helion/h200.json]
 
 Why: run 19's event probe timed the first config (64 columns x 32 tiles per step) at 0.07 ms per
 forward at llama3 (torch's ~12 kernels: 0.12) but 0.13 ms per chunk at gemma (torch: 0.08): a
@@ -91,7 +91,7 @@ def main() -> None:
         cfg = json.loads(path.read_text()) if path.is_file() else {}
         cfg.setdefault("merge", {})["fp32"] = {
             "block": {"block_n": bn, "block_t": bt}, "config": {"num_warps": nw, "num_stages": ns},
-            "how": f"benchmarks/merge_probe.py, best of {len(CANDIDATES)} candidates by the total over the forward's "
+            "how": f"benchmarks/probes/merge_probe.py, best of {len(CANDIDATES)} candidates by the total over the forward's "
                    f"and one fused chunk's partials at llama3, qwen3, gemma (N={a.n}), "
                    f"{torch.cuda.get_device_name()}, {datetime.date.today()}: {totals[best] * 1e3:.0f} us "
                    f"(torch merge_partials {torch_total * 1e3:.0f} us, the first config {totals[0] * 1e3:.0f} us)"}

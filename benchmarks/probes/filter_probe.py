@@ -1,7 +1,7 @@
 """GPU probe for the gradient filter (issue 15 item 3): how much a block mask can skip on realistic
 logits, and how fast block-sparse Helion matmuls run per kept block, against cuBLAS in the same run.
 
-    python benchmarks/filter_probe.py [--shapes llama3,qwen3,gemma] [--rows 2816] [--reps 10] [--out DIR]
+    python benchmarks/probes/filter_probe.py [--shapes llama3,qwen3,gemma] [--rows 2816] [--reps 10] [--out DIR]
 
 Part 1 (mask statistics, per shape, one chunk of ``--rows`` tokens of the realistic data mode):
 fraction of (BN tokens x BV vocab) blocks of ``|dz|`` (per unit row weight) that hold an entry
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import common  # noqa: E402,F401  (first: puts the repository's flce_dist on the path where none is)
 import data as bench_data  # noqa: E402
 from flce_dist._timing import SHAPES, cuda_time_ms  # noqa: E402
 

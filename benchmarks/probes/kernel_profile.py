@@ -1,8 +1,8 @@
 """Where the fused loss spends its time: a kernel-level breakdown from ``torch.profiler``.
 
-    python benchmarks/kernel_profile.py [--shapes llama3,gemma] [--n 8192] [--dtype bf16] [--mode fb|fwd] [--strategy auto] [--out DIR]
+    python benchmarks/probes/kernel_profile.py [--shapes llama3,gemma] [--n 8192] [--dtype bf16] [--mode fb|fwd] [--strategy auto] [--out DIR]
         [--data random,realistic]
-    torchrun --nproc_per_node=2 benchmarks/kernel_profile.py ...   (vocab-parallel over NCCL; rank 0 reports)
+    torchrun --nproc_per_node=2 benchmarks/probes/kernel_profile.py ...   (vocab-parallel over NCCL; rank 0 reports)
 
 Per shape and data mode (``--data``, bench.py's inputs; rows of a mode other than ``random`` are
 labelled ``shape/mode``): the bare ``x @ W.T`` matmul (CUDA events, this run), then ``--iters`` profiled
@@ -35,12 +35,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import flce_dist  # noqa: E402
-from flce_dist._timing import DTYPES, SHAPES, cuda_steady_ms, cuda_time_ms, write_csv  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import common  # noqa: E402  (first: puts the repository's flce_dist on the path where none is)
 import data as bench_data  # noqa: E402
+import flce_dist  # noqa: E402
+from flce_dist._timing import DTYPES, cuda_steady_ms, cuda_time_ms  # noqa: E402
 
 CLASSES = [("matmul (cuBLAS)", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_", re.I)),
            ("lse_forward (Helion)", re.compile(r"lse_forward", re.I)),
@@ -58,17 +57,14 @@ def classify(name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="llama3,gemma")
-    ap.add_argument("--n", type=int, default=8192)
+    common.add_case_args(ap, shapes="llama3,gemma", timed=False)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--mode", default="fb", choices=["fb", "fwd"])
     ap.add_argument("--pyprof", action="store_true", help="also print a cProfile of the host side")
-    ap.add_argument("--out", default="")
-    bench_data.add_data_args(ap)
     args = ap.parse_args()
-    bench_data.check_data_args(ap, args)
+    common.check_case_args(ap, args)
     rows, top = [], []
     tp, rank, group = int(os.environ.get("WORLD_SIZE", "1")), 0, None
     if tp > 1:
@@ -78,7 +74,7 @@ def main() -> None:
         group = dist.group.WORLD
     dt = DTYPES[args.dtype]
     nmm = 3 if args.mode == "fb" else 1
-    for name, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
+    for name, mode, h, v in common.cases(args):
         shape = name if mode == "random" else f"{name}/{mode}"  # the rows' label (random: as before run 20)
         # bench.py's inputs (random: bit for bit the profiles of runs 7-19)
         x, w, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=dt, device="cuda", seed=0,
@@ -181,7 +177,7 @@ def main() -> None:
         del x, w, t
         torch.cuda.empty_cache()
     if rank == 0:
-        write_csv(rows, f"profile_{args.mode}_{args.dtype}{f'_tp{tp}' if tp > 1 else ''}.csv", [args.out] if args.out else [])
+        common.save(rows, f"profile_{args.mode}_{args.dtype}{f'_tp{tp}' if tp > 1 else ''}.csv", args)
         print("\ntop kernels per call:")
         print("\n".join(top))
         print(f"\n{torch.cuda.get_device_name()} TP={tp} {args.dtype} N={args.n} mode={args.mode} strategy={args.strategy}: ms per call, and x the floor")

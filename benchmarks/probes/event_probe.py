@@ -1,6 +1,6 @@
 """Where the fused loss's time goes, by CUDA events alone (no profiler).
 
-    python3 benchmarks/event_probe.py [--shapes llama3,gemma] [--mode fb|fwd] [--n 8192] [--data random,realistic]
+    python3 benchmarks/probes/event_probe.py [--shapes llama3,gemma] [--mode fb|fwd] [--n 8192] [--data random,realistic]
 
 Why: ``kernel_profile.py`` finds wall - kernel durations ~2.2 ms at llama3 while the profiled
 timeline's gaps add up to ~0.6 ms, and ``launch_probe.py`` found one store kernel 2.3 % faster under
@@ -21,18 +21,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
-import data as bench_data  # benchmarks/ (the script's own directory)
-from ab_flce import case_inputs
 
-import flce_dist
-from flce_dist import rowscale
-from flce_dist._timing import SHAPES, cuda_steady_ms
-from flce_dist.kernels import launch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import common  # noqa: E402  (first: puts the repository's flce_dist on the path where none is)
+import flce_dist  # noqa: E402
+from ab_flce import case_inputs  # noqa: E402
+from flce_dist import rowscale  # noqa: E402
+from flce_dist._timing import cuda_steady_ms  # noqa: E402
+from flce_dist.kernels import launch  # noqa: E402
 
 
 class Bracket:
@@ -143,15 +146,13 @@ def under_load(fn, seconds: float = 2.5) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="llama3,gemma")
+    common.add_case_args(ap, shapes="llama3,gemma", timed=False, out=False)
     ap.add_argument("--mode", default="fb", choices=["fb", "fwd"])
-    ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--samples", type=int, default=5)
     ap.add_argument("--no-smi", action="store_true")
-    bench_data.add_data_args(ap)
     args = ap.parse_args()
-    bench_data.check_data_args(ap, args)
+    common.check_case_args(ap, args)
     br = Bracket()
     br.wrap(launch, "_launch", _launch_label)
     br.wrap(torch, "mm", _mm_label)
@@ -160,7 +161,7 @@ def main() -> None:
     br.wrap(rowscale, "prepare_", "rowscale.prepare_")
     report = []
     try:
-        for name, mode, h, v in bench_data.cases(args.shapes, args.data, SHAPES, args.fixture):
+        for name, mode, h, v in common.cases(args):
             x, w, t = case_inputs(args.n, h, v, mode, args.sorted_vocab, args.fixture)  # ab_flce.py's inputs
             xd, wd = x.detach(), w.detach()
 

@@ -1,6 +1,6 @@
 """Which torch ops and CUDA kernels one fused fwd+bwd call issues besides its matmuls and Helion passes.
 
-    python3 benchmarks/op_trace.py [--shapes llama3,gemma] [--data random,realistic] [--n 8192]
+    python3 benchmarks/probes/op_trace.py [--shapes llama3,gemma] [--data random,realistic] [--n 8192]
 
 Run 19's profile counted ~218 kernels per llama3 call, 107 of them one torch elementwise kernel
 (0.2 ms of gaps alone), where the chunk loop launches ~30 Helion and cuBLAS kernels. This script
@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import flce_dist
-from flce_dist._timing import SHAPES
-from flce_dist.kernels import launch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: data.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import common  # noqa: E402  (first: puts the repository's flce_dist on the path where none is)
 import data as bench_data  # noqa: E402
+import flce_dist  # noqa: E402
+from flce_dist._timing import SHAPES  # noqa: E402
+from flce_dist.kernels import launch  # noqa: E402
 
 
 class OpLog(TorchDispatchMode):
@@ -90,12 +90,10 @@ def cuda_kernels(step) -> list[tuple[str, int, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="llama3,gemma")
-    ap.add_argument("--n", type=int, default=8192)
+    common.add_case_args(ap, shapes="llama3,gemma", timed=False, out=False)
     ap.add_argument("--cpu-small", action="store_true", help="CPU reference mode at H=64, V=1000, N=700 (a check)")
-    bench_data.add_data_args(ap)
     a = ap.parse_args()
-    bench_data.check_data_args(ap, a)
+    common.check_case_args(ap, a)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu":
         flce_dist.setup_reference_mode()
@@ -107,10 +105,7 @@ def main() -> None:
         x.requires_grad_()
         w.requires_grad_()
 
-        def step():
-            x.grad = w.grad = None
-            flce_dist.fused_linear_cross_entropy(x, w, t).backward()
-
+        step = common.fwd_bwd(lambda: flce_dist.fused_linear_cross_entropy(x, w, t), x, w)
         step()  # compiles, warms the caches
         log = OpLog()
         trace(step, log)

@@ -594,3 +594,13 @@ def test_device_sh_lists_every_step_with_what_it_measures(tmp_path):
     r = subprocess.run(["bash", str(sh), "tests", "nosuchstep"], capture_output=True, text=True, timeout=30,
                        env={**os.environ, "OUT": str(out)}, cwd=tmp_path)
     assert r.returncode == 2 and "unknown step 'nosuchstep'" in r.stderr and not out.exists()
+
+
+def test_results_readme_names_every_folder():
+    """benchmarks/results/README.md says what each folder and figure under benchmarks/results/ is: a
+    new run folder gets its line there."""
+    results = BENCH / "results"
+    text = (results / "README.md").read_text()
+    kept = [p.name for p in results.iterdir() if p.is_dir() or p.suffix == ".png"]
+    missing = [n for n in kept if f"`{n}/`" not in text and f"`{n}`" not in text]
+    assert not missing, f"benchmarks/results/README.md does not name {missing}"

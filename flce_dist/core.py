@@ -189,11 +189,12 @@ def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bo
 
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                            g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, rows: int, guard: _Guard,
-                           need_dx: bool = True, need_dw: bool = True):
+                           need_dx: bool = True, need_dw: bool = True, reduce_dx: bool = True):
     """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded). ``need_dx`` False (a
     hidden that needs no gradient): no dX matmul and no dX all-reduce, dX is None; ``need_dw`` False
-    (a frozen lm_head: LoRA / PEFT): no dW matmul and no dW buffer, dW and db are None."""
+    (a frozen lm_head: LoRA / PEFT): no dW matmul and no dW buffer, dW and db are None;
+    ``reduce_dx`` False: dX is this rank's partial ``dz_r @ W_r`` (no all-reduce; the caller sums it)."""
     n, _ = x.shape
     v = w.shape[0]
     eps = p.options.filter_eps(x.dtype)
@@ -257,7 +258,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             K.chunk_grad_(z, tc, lse, gc, **kw)
             if need_dx:
                 torch.mm(z, w, out=dxc)
-        if need_dx and not sp and not p.deterministic:
+        if need_dx and reduce_dx and not sp and not p.deterministic:
             h = all_reduce_async(dxc, group)
             if h is not None:
                 handles.append(h)
@@ -281,7 +282,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         dw, db = order.restore(dw), order.restore(db)
     for h in handles:
         h.wait()
-    if need_dx and p.deterministic and not sp:
+    if need_dx and reduce_dx and p.deterministic and not sp:
         all_reduce_deterministic_(dx, group)
     return stats, dx, dw, db
 
@@ -289,8 +290,9 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
 def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                        lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
                        mu: torch.Tensor | None = None, gh: torch.Tensor | None = None,
-                       need_dx: bool = True, need_dw: bool = True):
-    """dX (summed over the group unless sequence-parallel), dW, db by vocab chunks; with ``mu``,
+                       need_dx: bool = True, need_dw: bool = True, reduce_dx: bool = True):
+    """dX (summed over the group unless sequence-parallel or ``reduce_dx`` is False: then this rank's
+    partial), dW, db by vocab chunks; with ``mu``,
     ``gh`` [N] the entropy's gradient in the same pass. ``need_dx`` / ``need_dw`` False: that
     gradient is None and its matmuls (and, for dX, the all-reduce and the float32 accumulator) are
     skipped: a frozen lm_head costs 2 matmuls, a hidden without a gradient 3 and no collective."""
@@ -335,7 +337,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 dx += torch.mm(z, wc)
         if need_dx and j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
             out = dx.to(x.dtype)
-            if not p.sequence_parallel and not p.deterministic:
+            if reduce_dx and not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
         if not need_dw:
             pass
@@ -351,18 +353,18 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 db[j:j + cols] = dbc
     if need_dx and v == 0:
         out = dx.to(x.dtype)
-        if not p.sequence_parallel and not p.deterministic:
+        if reduce_dx and not p.sequence_parallel and not p.deterministic:
             handle = all_reduce_async(out, group)
     if handle is not None:
         handle.wait()
-    if need_dx and p.deterministic and not p.sequence_parallel:
+    if need_dx and reduce_dx and p.deterministic and not p.sequence_parallel:
         all_reduce_deterministic_(out, group)
     return (out if need_dx else None), dw, db
 
 
 def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                  num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool,
-                 need_dx: bool = True, need_dw: bool = True):
+                 need_dx: bool = True, need_dw: bool = True, reduce_dx: bool = True):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
@@ -371,8 +373,13 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     all rows or None), what the recompute backward needs; under sequence parallelism ``x`` is this
     rank's ``hidden`` (not the gathered ``[P n, H]``): :func:`recompute_grads` gathers it again, as
     Megatron's sequence-parallel linears do. ``need_dx`` / ``need_dw``: which gradients the fused
-    strategy forms (the others are None in ``pre``)."""
+    strategy forms (the others are None in ``pre``). ``reduce_dx`` False (``autograd.partial_dx``):
+    dX stays this rank's partial sum ``dz_r @ W_r``, for a caller that reduces it itself (torchtitan
+    all-reduces the hidden gradient at its tp boundary); not with sequence parallelism."""
     sp = p.sequence_parallel and group_size(group) > 1
+    if not reduce_dx and p.sequence_parallel:
+        raise ValueError("partial dX (reduce_dx=False) and sequence_parallel=True cannot be combined: the "
+                         "sequence-parallel dX is reduce-scattered to this rank's tokens")
     x = all_gather_rows(hidden, group) if sp else hidden
     tgt = all_gather_rows(target, group) if sp else target
     n_in = hidden.shape[0]
@@ -383,10 +390,11 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
-    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw))
+    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, reduce_dx))
     if fused:
         g = row_weights(valid, p, num_items, acc_dtype(x.dtype), denom)
-        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard, need_dx, need_dw)
+        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard, need_dx, need_dw,
+                                                   reduce_dx)
         if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
@@ -438,12 +446,14 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
 def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
                     valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
                     group: dist.ProcessGroup | None, ent: torch.Tensor | None = None,
-                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True):
+                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True,
+                    reduce_dx: bool = True):
     """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype;
     None for a gradient not needed). ``x``: this rank's hidden under sequence parallelism
     (all-gathered here again: one more all-gather, instead of keeping [P n, H] between forward and
     backward). ``ent`` [N] (all rows) and ``grad_ent`` [N_in] (this rank's rows): the entropy and
-    its incoming gradient, when the entropy was returned and used."""
+    its incoming gradient, when the entropy was returned and used. ``reduce_dx`` False: this
+    rank's partial dX (see :func:`flce_forward`)."""
     sp = p.sequence_parallel and group_size(group) > 1
     if sp:
         x = all_gather_rows(x, group)
@@ -460,7 +470,7 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
         gh = all_gather_rows(gh.contiguous(), group) if sp else gh
         gh = torch.where(valid, gh, torch.zeros_like(gh)).contiguous()
         mu = (lse - ent).contiguous()
-    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh, need_dx, need_dw)
+    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh, need_dx, need_dw, reduce_dx)
     if sp and dx is not None:
         dx = reduce_scatter_rows(dx, group, p.deterministic)
     return dx, dw, None if db is None else db.to(w.dtype)

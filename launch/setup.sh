@@ -13,11 +13,18 @@ pip=(.venv/bin/pip install -q -c constraints-cpu.txt)
 # DeepSpeed 0.19.8 is an sdist that imports torch at build time: no build isolation, no ops built.
 "${pip[@]}" setuptools wheel
 DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation 'deepspeed==0.19.8'
-# Framework adapters. TRL with its dependencies (datasets 5.x); torchtitan 0.3.0 pins datasets<4.8,
-# which conflicts, so it goes in with --no-deps: its loss components and models import no datasets.
+# Framework adapters (tests/test_trl.py, test_torchtitan.py, test_verl.py); versions in constraints-cpu.txt.
+# TRL with its dependencies (datasets 5.x).
 "${pip[@]}" 'trl==1.16.0'
+# torchtitan 0.3.0 pins datasets<4.8, which conflicts with TRL's: --no-deps, plus tyro, the one
+# dependency its config, loss and model code import (its full trainer also needs tensorboard, wandb,
+# torchdata, datasets: not installed here).
 "${pip[@]}" --no-deps 'torchtitan==0.3.0' 'spmd_types==0.2.3'
-[ -f launch/requirements-adapters.txt ] && "${pip[@]}" -r launch/requirements-adapters.txt
+"${pip[@]}" 'tyro==1.0.17'
+# verl 0.9.1 pins transformers<5.11 (and vllm-era extras): --no-deps, plus what `import verl` and its
+# FSDP forward import: ray, omegaconf, and tensordict's own dependencies (hydra is not imported there).
+"${pip[@]}" --no-deps 'verl==0.9.1' 'tensordict==0.10.0' 'pyvers==0.1.0'
+"${pip[@]}" 'ray==2.60.0' omegaconf cloudpickle orjson importlib_metadata
 echo "setup: $(( $(date +%s) - t0 )) s"
 case "$(.venv/bin/python -c 'import torch; print(torch.version.cuda)')" in
   None) ;;

@@ -4,13 +4,17 @@ On the GPU machine the same checks run with NCCL:
 ``torchrun --nproc_per_node=2 tests/dist_checks.py --backend nccl --big``.
 """
 
+import os
+
 import pytest
 
 from tests._checks import torchrun
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("world", [2, 3, 4, pytest.param(8, marks=pytest.mark.skipif(
+    not os.environ.get("FLCE_TEST_WORLD8"), reason="8 gloo ranks on CI's 2 cores take ~75 s and check nothing that "
+    "4 ranks do not (the TP size is a parameter of the same code): FLCE_TEST_WORLD8=1 runs it"))])
 def test_vocab_parallel_matches_reference(world):
     """2 and 3 ranks run every check; 4 and 8 (the TP sizes of the 4x/8x H200 runs) a quick set."""
     rc, out, summary = torchrun("dist_checks.py", world, "--backend", "gloo", *(["--quick"] if world > 3 else []))

@@ -25,11 +25,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "vocab_size", "num_items_in_batch",
                "settings")
 
-# Never traced by TorchDynamo: the once-per-shape shard check with a group (a collective and a host
-# sync), and the eager Function (used whenever the custom op is not: eager calls, and under
-# torch.compile with sequence parallelism or DTensor inputs, as a graph break). Also eager calls must
-# be shielded: frames that run eagerly under a compiled caller still meet Dynamo's frame hook.
-# torch._disable_dynamo defers ``import torch._dynamo`` (~1 s) from import time to the first call.
+# Never traced by TorchDynamo: the eager Function (used whenever the custom op is not: eager calls,
+# and under torch.compile with sequence parallelism or DTensor inputs, as a graph break), and the
+# eager calls' once-per-layout shard check with a group (a collective and a host sync; a traced call
+# runs it at trace time instead, as a graph constant: ``resolve_call``'s assume_constant_result).
+# Eager calls must be shielded: frames that run eagerly under a compiled caller still meet Dynamo's
+# frame hook. torch._disable_dynamo defers ``import torch._dynamo`` (~1 s) from import time to the first call.
 _resolve = torch._disable_dynamo(resolve_call)
 
 
@@ -151,8 +152,10 @@ def fused_linear_cross_entropy(
     this rank's equal-sized token slice (rank order); the per-token outputs (``reduction="none"``,
     lse) are for that slice too, and dX is reduce-scattered back.
 
-    ``vocab_size``: the global vocabulary size, checked (once per shape, on every rank) against the
-    rows the shards hold in all; without it V is their sum (a DTensor weight gives its own).
+    ``vocab_size``: the global vocabulary size, checked (once per layout, on every rank) against the
+    rows the shards hold in all; without it V is their sum (a DTensor weight gives its own), a
+    warning says so once, and every new token count costs one more shard check (a host sync):
+    pass it with ``group`` (``distributed/shard.py``).
 
     Options (``LossOptions``: defaults, checks, meaning): ``ignore_index``, ``reduction``,
     ``label_smoothing``, ``z_loss``, ``softcap``, ``temperature``, ``sequence_parallel``,
@@ -193,8 +196,10 @@ def fused_linear_cross_entropy(
     ``[N, 4]`` float32 stats (``[N, 5]`` with the entropy; the fused strategy: one per token chunk,
     same bytes); backward one
     all-reduce of dX (``N*H``, hidden's dtype); sequence parallel: plus all-gathers of hidden and
-    target and a reduce-scatter of dX instead of the all-reduce. Once per distinct call shape, one
-    all-gather of the shard sizes and the call's signature checks that every rank makes the same call.
+    target and a reduce-scatter of dX instead of the all-reduce. Once per layout (and token count,
+    without ``vocab_size``), one all-gather of the shard sizes, a digest of the shard's rows and the
+    call's signature checks the layout and that every rank makes the same call; under torch.compile
+    it runs while tracing.
     """
     options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
                           strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy, return_entropy,
@@ -238,11 +243,15 @@ def fused_linear_cross_entropy(
     if group is None:  # no collective: stays inside a compiled graph
         (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
                                                        vocab_size=vocab_size), "", 1
-    else:  # the call's fields, compared across ranks once per shape
+    else:  # the call's fields, compared across ranks once per layout (distributed/shard.py)
         fields = (h, str(hidden.dtype), bias is not None, needs_grad, num_items_in_batch is not None,
-                  options.signature(), settings)
-        start, vocab, group_name, tp = _resolve(group, weight.shape[0], vocab_start, hidden.device, x.shape[0], fields,
-                                                vocab_size)
+                  options.signature(), settings.astuple())
+        if compiling:  # traced: run once at trace time, its result a graph constant (assume_constant_result)
+            start, vocab, group_name, tp = resolve_call(group.group_name, weight, vocab_start, hidden.device, -1,
+                                                        fields, vocab_size)
+        else:
+            start, vocab, group_name, tp = _resolve(group, weight, vocab_start, hidden.device, x.shape[0], fields,
+                                                    vocab_size)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
         bad = (t != options.ignore_index) & ((t < 0) | (t >= vocab))

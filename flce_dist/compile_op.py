@@ -1,6 +1,9 @@
 """``torch.compile`` support: the loss as two ``torch.library`` custom ops over ``core.py``, so that a
 compiled model that calls it keeps one graph (no graph break) on a single rank and under tensor
-parallelism without sequence parallelism.
+parallelism without sequence parallelism (with a group, the once-per-layout shard check,
+``distributed.shard.resolve_call``, runs while TorchDynamo traces, marked ``assume_constant_result``:
+its collective and host sync happen at trace time and its result is a constant of the graph;
+``tests/test_layout_check.py`` counts the graph breaks at 2 gloo ranks).
 
     flce_dist::fused_lce(hidden, weight, bias?, target, num_items?, params, needs_grad, group_name)
         -> (loss, lse, correct, entropy, dX, dW, db)

@@ -118,7 +118,8 @@ class VocabParallelLMHead(nn.Module):
         if target is not None:
             if self.mesh is not None:  # DTensor parameters: the layout comes from them
                 return self.loss(hidden, self.weight, target, self.bias, **overrides)
-            return self.loss(hidden, self.weight, target, self.bias, vocab_start=self.shard[0], **overrides)
+            return self.loss(hidden, self.weight, target, self.bias,
+                             **{"vocab_start": self.shard[0], "vocab_size": self.vocab_size, **overrides})
         if self.mesh is None:
             return nn.functional.linear(hidden, self.weight, self.bias)
         from torch.distributed.tensor import Replicate
@@ -140,7 +141,7 @@ class VocabParallelLMHead(nn.Module):
         kw = {k: v for k, v in {"ignore_index": self.loss.ignore_index, "group": self.loss.group, **self.loss.options,
                                 **overrides}.items() if k not in _LOGPROB_REFUSED}
         if self.mesh is None:
-            kw["vocab_start"] = self.shard[0]
+            kw = {"vocab_start": self.shard[0], "vocab_size": self.vocab_size, **kw}
         return logprobs_and_entropy(hidden, self.weight, target, temperature=temperature, bias=self.bias, **kw)
 
     def extra_repr(self) -> str:

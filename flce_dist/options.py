@@ -140,8 +140,10 @@ class LossOptions:
         return dataclasses.replace(self, **changes)
 
     def signature(self) -> tuple:
-        """The fields every rank of a group must agree on (all but the extra outputs), in field order."""
-        return tuple(getattr(self, k) for k in self.keywords("math", "call"))
+        """The fields every rank of a group must agree on (all but the extra outputs), in field order.
+        Reads a module constant (``_SIGNED``), not ``keywords()``: TorchDynamo traces this on every
+        compiled call with a group and cannot trace ``dataclasses.fields`` of a class (a graph break)."""
+        return tuple(getattr(self, k) for k in _SIGNED)
 
     # derived values used by the math
     @property
@@ -203,3 +205,4 @@ class FLCEParams:
 
 
 _OPTION_NAMES = LossOptions.keywords()
+_SIGNED = LossOptions.keywords("math", "call")  # signature()'s fields, fixed at import (traceable)

@@ -3,8 +3,10 @@
 ``Settings`` is a frozen, hashable object: the byte budget of one materialised logits chunk, the
 fused strategy's logits backend, kernel block-size overrides and the Helion config directory. A call
 takes it explicitly (``fused_linear_cross_entropy(..., settings=Settings(chunk_bytes=...))``) or uses
-the current default: the innermost ``override(...)`` block, else the documented environment
-defaults below (meant for benchmarks; read at call time, never at import).
+the current default: the innermost ``override(...)`` block of the caller's context (a
+``contextvars.ContextVar``: each thread and each asyncio task has its own), else the documented
+environment defaults below (meant for benchmarks; read once, at the first call that needs them, never
+at import; ``reload_env()`` reads them again). Nothing here writes the environment.
 
 =====================  ==========================  ==============================================
 field                  environment default          meaning
@@ -39,9 +41,13 @@ collectives); the loss compares them across ranks with its other options.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
+import threading
 from typing import Any, Iterator, Mapping
+
+import torch
 
 LOGITS_BACKENDS = ("helion", "cublas")
 GRAD_FORMS = ("rowscale", "chunk_grad")
@@ -95,7 +101,7 @@ class Settings:
     @classmethod
     def from_env(cls) -> "Settings":
         """The documented environment defaults (benchmarks): FLCE_CHUNK_MB, FLCE_FUSED_LOGITS, FLCE_CONFIG_DIR,
-        FLCE_GRAD_FORM."""
+        FLCE_GRAD_FORM, read now (``current()`` reads them once: see ``reload_env``)."""
         mb = os.environ.get("FLCE_CHUNK_MB")
         return cls(chunk_bytes=int(mb) << 20 if mb else None,
                    logits_backend=os.environ.get("FLCE_FUSED_LOGITS", "helion"),
@@ -103,15 +109,34 @@ class Settings:
                    grad_form=os.environ.get("FLCE_GRAD_FORM", "rowscale"))
 
 
-# The innermost ``override`` last. A plain list (not a ContextVar): TorchDynamo traces a list read,
-# so a compiled model reads the settings as constants; like any process-wide default it is shared
-# by threads, so threads that need their own pass ``settings=`` to the call.
-_STACK: list[Settings] = []
+# The ``override`` blocks of each context, innermost last: a ContextVar, so that threads and asyncio
+# tasks each see their own. TorchDynamo cannot trace ``ContextVar.get`` (a graph break), so a traced
+# call reads a per-thread mirror of the same stack instead (``_TRACED.stack``, set and restored by
+# ``override`` with the ContextVar); Dynamo guards on it, so a compiled function called under other
+# overrides recompiles. The two differ only for asyncio tasks that interleave ``override`` blocks on
+# one thread around compiled calls: pass ``settings=`` there.
+_OVERRIDES: contextvars.ContextVar[tuple[Settings, ...]] = contextvars.ContextVar("flce_dist_overrides", default=())
+_TRACED = threading.local()
+_ENV: Settings | None = None  # the environment's defaults, read once (``reload_env``)
+
+
+def reload_env() -> Settings:
+    """Read the environment defaults again (``FLCE_*``; a program that changes them after its first
+    call) and return them; ``current()`` otherwise reads them once."""
+    global _ENV
+    _ENV = Settings.from_env()
+    return _ENV
+
+
+def _env() -> Settings:
+    return _ENV if _ENV is not None else reload_env()
 
 
 def current() -> Settings:
-    """The settings a call without ``settings=`` uses: the innermost ``override``, else the environment's."""
-    return _STACK[-1] if _STACK else Settings.from_env()
+    """The settings a call without ``settings=`` uses: the innermost ``override`` of this context, else
+    the environment's (read once)."""
+    stack = getattr(_TRACED, "stack", ()) if torch.compiler.is_compiling() else _OVERRIDES.get()
+    return stack[-1] if stack else _env()
 
 
 @contextlib.contextmanager
@@ -138,8 +163,15 @@ def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_byt
     if dw_accumulate is not None:
         changes["dw_accumulate"] = dw_accumulate
     new = current().replace(**changes)
-    _STACK.append(new)
+    _OVERRIDES.set(_OVERRIDES.get() + (new,))
+    _TRACED.stack = getattr(_TRACED, "stack", ()) + (new,)
     try:
         yield new
-    finally:
-        del _STACK[max(i for i, s in enumerate(_STACK) if s is new)]  # this block's entry, by identity
+    finally:  # this block's entry, by identity (blocks left out of order leave the others in place)
+        _OVERRIDES.set(_drop(_OVERRIDES.get(), new))
+        _TRACED.stack = _drop(getattr(_TRACED, "stack", ()), new)
+
+
+def _drop(stack: tuple[Settings, ...], entry: Settings) -> tuple[Settings, ...]:
+    i = max((j for j, s in enumerate(stack) if s is entry), default=None)
+    return stack if i is None else stack[:i] + stack[i + 1:]

@@ -4,9 +4,14 @@ import torch
 torch.set_num_threads(1)  # reference mode is ~8x faster single-threaded on 2 cores
 
 if not torch.cuda.is_available():  # Helion reference mode: an explicit call, never an import side effect
+    import os
+
     import flce_dist
 
     flce_dist.setup_reference_mode()
+    # the tests' spawned ranks and subprocesses take the mode from the environment (the library
+    # never writes it: issue #34 item 10); CI sets it already
+    os.environ.setdefault("HELION_INTERPRET", "1")
 
 
 def pytest_configure(config):

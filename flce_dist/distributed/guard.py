@@ -2,17 +2,18 @@
 
 Every rank of a group must make the same call: the same options and settings, the same tokens (or
 equal slices under sequence parallelism) and the same targets, all inside ``[0, V)``. The shard
-check of ``shard.py`` compares the shapes and options once per shape; this guard checks every call,
-so that a rank that changes an option later, or passes other hidden states or targets than its
-peers, or a target outside ``[0, V)`` under sequence parallelism, never yields a finite wrong loss.
+check of ``shard.py`` compares the layout and options once per layout (not per token count: that
+is this guard's word 2); this guard checks every call, so that a rank that changes an option or its
+token count later, or passes other hidden states or targets than its peers, or a target outside
+``[0, V)`` under sequence parallelism, never yields a finite wrong loss.
 
 Each rank appends ``WORDS`` int32 words to its ``[Nc, 4]`` statistics (as the raw bits of one or two
 extra float rows, 32 bytes) in the first statistics all-gather of each call
 (``collectives.combine_stats``; the fused strategy's later chunks reuse that verdict, a device
 bool, so they carry nothing extra):
 
-    0, 1   digest of the call: options, settings, global V, hidden size, dtype (host, once per call)
-    2      global token count N and rows per chunk (N * 2**16 + rows, 31 bits)
+    0, 1   digest of the call: options, settings, global V, hidden size, dtype (host, cached per call digest)
+    2      global token count N and rows per chunk (N * 2**16 + rows, 31 bits; a device fill)
     3      checksum of the (global) targets: sum_n t_n * c_n, wrapping int64, low 31 bits (device)
     4      raw bits of a float32 checksum of 16 rows of hidden  (device)
     5      number of targets outside [0, V) that are not ignore_index  (device)
@@ -38,6 +39,9 @@ from .shard import call_signature
 WORDS = 8
 _FIELDS = ("the call (options, settings, vocabulary size, hidden size or dtype)", "the call",
            "the number of tokens or the chunk plan", "the targets", "the hidden states")
+# what a difference in a word most likely means, said after it
+_HINTS = {3: " (target holds GLOBAL vocabulary ids in [0, V), the same ids on every rank: not ids local to a rank's "
+             "shard, and no rank subtracts its vocab_start)"}
 
 
 @lru_cache(maxsize=256)
@@ -50,18 +54,25 @@ _CACHE_SIZE = 64
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
-def _host_words(sig: int, n: int, rows: int, device: torch.device) -> torch.Tensor:
-    """Words 0-2 on the device: one host-to-device copy per distinct call (cached; a copy from
-    pageable memory may wait for the stream, so never per step)."""
-    return torch.tensor([sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF, ((n % 32768) << 16) + rows % 65536],
-                        dtype=torch.int32, device=device)
+def _digest_words(sig: int, device: torch.device) -> torch.Tensor:
+    """Words 0-1 on the device: one host-to-device copy per distinct call digest (cached, bounded;
+    a copy from pageable memory waits for the stream, so never per step). Nothing here is per token
+    count: RL and evaluation change N every call."""
+    return torch.tensor([sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF], dtype=torch.int32, device=device)
 
 
-@lru_cache(maxsize=_CACHE_SIZE)
-def _coefficients(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target checksum's per-position odd coefficients and the 16 sampled hidden rows (cached)."""
-    c = torch.arange(n, device=device, dtype=torch.int64) * 2654435761 % 2147483647 * 2 + 1
-    return c, torch.linspace(0, n - 1, min(n, 16), device=device).long()
+# the target checksum's odd coefficients c_n (they depend on n only, not on N): one buffer per device,
+# grown to the next power of two, of which every call takes a prefix (no kernel, no per-N cache)
+_COEFFICIENTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _coefficients(n: int, device: torch.device) -> torch.Tensor:
+    buf = _COEFFICIENTS.get(device)
+    if buf is None or buf.shape[0] < n:
+        size = 1 << max(n - 1, 0).bit_length()
+        buf = torch.arange(size, device=device, dtype=torch.int64) * 2654435761 % 2147483647 * 2 + 1
+        _COEFFICIENTS[device] = buf
+    return buf[:n]
 
 
 def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_size: int, rows: int,
@@ -69,13 +80,16 @@ def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_s
     """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids),
     ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks them);
     ``fields``: what else every rank must agree on (options, settings, bias, gradient need).
-    About 8 small kernels per call, no host sync in steady state."""
+    About 10 small kernels per call, no host sync in steady state, and none for a new token count:
+    word 2 is a device fill (a kernel argument, not a copy), the 16 sampled rows a device linspace."""
     sig = call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
     n = x.shape[0]
-    head = _host_words(sig, n, rows, x.device)
+    head = torch.cat([_digest_words(sig, x.device),
+                      torch.full((1,), ((n % 32768) << 16) + rows % 65536, dtype=torch.int32, device=x.device)])
     if not n:
         return torch.cat([head, head.new_zeros(WORDS - 3)])
-    coef, sample = _coefficients(n, x.device)
+    coef = _coefficients(n, x.device)
+    sample = torch.linspace(0, n - 1, min(n, 16), device=x.device).long()
     # int64 products and sums wrap identically on every rank (modular arithmetic is order-free)
     checksum = (target.to(torch.int64) * coef).sum().to(torch.int32)
     hidden = x.index_select(0, sample).float().sum().view(torch.int32)
@@ -97,8 +111,8 @@ def raise_if_failed(guards: torch.Tensor) -> None:
         col = g[:, word].tolist()
         if any(c != col[0] for c in col):
             ranks = [r for r, c in enumerate(col) if c != col[0]]
-            raise ValueError(f"ranks {ranks} of the group call the loss with other {what} than rank 0: every rank of "
-                             "a tensor-parallel group must make the same call (the same hidden and target without "
-                             "sequence parallelism)")
+            raise ValueError(f"ranks {ranks} of the group differ from rank 0 in {what}{_HINTS.get(word, '')}: every "
+                             "rank of a tensor-parallel group must make the same call (the same hidden and target "
+                             "without sequence parallelism)")
     bad = g[:, 5].tolist()
     raise ValueError(f"{max(bad)} target(s) outside [0, V) that are not ignore_index (counts per rank: {bad})")

@@ -7,6 +7,7 @@ global ids ``[start_i, start_i + V_i)`` with ``start_i = i * q + min(i, r)``.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 import zlib
 
@@ -35,25 +36,57 @@ def shard_sizes(vocab_size: int, world_size: int) -> list[int]:
     return [e - s for s, e in (vocab_shard(vocab_size, r, world_size) for r in range(world_size))]
 
 
-# checked shards per process group, the group held weakly: a group the program drops (a test's or a
+# checked layouts per process group, the group held weakly: a group the program drops (a test's or a
 # job's short-lived group) is not kept alive, with its backend's threads, by this cache
 _SHARD_CACHE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, tuple[int, int]]]" = weakref.WeakKeyDictionary()
+_WARNED: "weakref.WeakKeyDictionary[dist.ProcessGroup, set[tuple]]" = weakref.WeakKeyDictionary()  # layouts
+_DIGEST_ROWS = 16  # rows of a shard sampled by its digest
 
 
 def clear_shard_cache() -> None:
-    """Forget every checked shard (each rank must call it at the same point of its program)."""
+    """Forget every checked layout (each rank must call it at the same point of its program)."""
     _SHARD_CACHE.clear()
+    _WARNED.clear()
+
+
+def shard_digest(weight: torch.Tensor) -> torch.Tensor:
+    """A 0-d float64 digest of a weight shard on its device (no host sync): a position-weighted sum
+    of ``_DIGEST_ROWS`` evenly spaced rows. Equal shards give bitwise equal digests on every rank
+    (the same kernels on the same data); different shards almost never do."""
+    v = weight.shape[0]
+    if v == 0 or weight.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=weight.device)
+    with torch.no_grad():
+        idx = torch.linspace(0, v - 1, min(v, _DIGEST_ROWS), device=weight.device).long()
+        rows = weight.detach().index_select(0, idx).to(torch.float64)
+        pos = torch.arange(1, rows.numel() + 1, dtype=torch.float64, device=weight.device).view(rows.shape)
+        return (rows * (1.0 + pos.reciprocal())).sum()
+
+
+_UNSTATED = ("the group's shards are taken in rank order (rank i's weight holds the global rows after those of "
+             "ranks 0..i-1) and V = {v}, their sum; shards passed in another order give a wrong loss that no check "
+             "can see; and every new token count costs a handshake (a host sync). Pass vocab_size= (the global "
+             "vocabulary size; and slice each rank's rows with flce_dist.vocab_shard, or give vocab_start=) to "
+             "state the layout; this is said once per layout")
+_SAME_WEIGHT = ("every rank of the group passed the same weight ({p} ranks, {v} rows each, equal digests): with "
+                "group= each rank passes only its own vocabulary rows, weight[start:end] with (start, end) = "
+                "flce_dist.vocab_shard(V, rank, world_size) (the full [V, H] weight on every rank gives a loss "
+                "ln({p}) too high). If the shards are equal on purpose (a constant initialisation), pass "
+                "vocab_size= to state the layout")
 
 
 def _handshake(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str, n_tokens: int,
-               fields: tuple, vocab_size: int | None) -> tuple[int, int]:
-    # One all-gather of (start, size, tokens, call signature, expected V) per distinct (group, shard,
-    # tokens, V): a host sync, once per shape, never on the steady-state hot path.
-    me = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, call_signature(*fields),
-                        -1 if vocab_size is None else vocab_size]], dtype=torch.int64, device=device)
+               fields: tuple, vocab_size: int | None, digest: torch.Tensor | None, layout_key: tuple = ()
+               ) -> tuple[int, int]:
+    # One all-gather of (start, size, tokens, call signature, expected V, weight digest) per layout:
+    # one host sync (the .cpu() of the gathered rows), never on the steady-state hot path.
+    head = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, call_signature(*fields),
+                          -1 if vocab_size is None else vocab_size, 0 if digest is None else 1]],
+                        dtype=torch.int64, device=device)
+    bits = (torch.zeros((), dtype=torch.float64) if digest is None else digest).to(device).view(torch.int64)
     world = dist.get_world_size(group)
-    rows = all_gather_rows(me, group).cpu().tolist()
-    if any(r[2] != rows[0][2] for r in rows):
+    rows = all_gather_rows(torch.cat([head, bits.view(1, 1)], 1), group).cpu().tolist()
+    if any(r[2] >= 0 for r in rows) and any(r[2] != rows[0][2] for r in rows):  # -1: not known (traced)
         raise ValueError(f"ranks disagree on the number of tokens in hidden: {[r[2] for r in rows]} per rank "
                          "(every rank of the group must pass the same tokens, or equal slices with sequence_parallel)")
     if any(r[3] != rows[0][3] for r in rows):
@@ -65,6 +98,9 @@ def _handshake(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, 
     explicit = [r[0] for r in rows]
     if any(s >= 0 for s in explicit) and any(s < 0 for s in explicit):
         raise ValueError("vocab_start must be given on every rank of the group or on none")
+    # every rank passed the same rows (the full weight everywhere, most likely): a layout error
+    same = (all(r[5] for r in rows) and rows[0][1] > 1 and all(r[1] == rows[0][1] and r[6] == rows[0][6] for r in rows))
+    same_msg = _SAME_WEIGHT.format(p=world, v=rows[0][1])
     if explicit[0] < 0:
         starts, acc = [], 0
         for row in rows:
@@ -72,18 +108,25 @@ def _handshake(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, 
             acc += row[1]
     else:
         starts = explicit
+    layout = f"(shards (start, size) per rank: {[(starts[j], rows[j][1]) for j in range(world)]})"
     order = sorted(range(world), key=lambda i: starts[i])
     pos = 0
     for i in order:
         if starts[i] != pos:
-            raise ValueError(
-                f"vocab shards do not tile [0, V): rank {i} starts at {starts[i]}, expected {pos} "
-                f"(shards (start, size) per rank: {[(starts[j], rows[j][1]) for j in range(world)]})"
-            )
+            raise ValueError((same_msg + "; " if same else "") + f"vocab shards do not tile [0, V): rank {i} "
+                             f"starts at {starts[i]}, expected {pos} {layout}")
         pos += rows[i][1]
     if rows[0][4] >= 0 and pos != rows[0][4]:
-        raise ValueError(f"vocab shards hold {pos} rows in all but vocab_size is {rows[0][4]} "
-                         f"(shards (start, size) per rank: {[(starts[j], rows[j][1]) for j in range(world)]})")
+        raise ValueError((same_msg + "; " if same else "")
+                         + f"vocab shards hold {pos} rows in all but vocab_size is {rows[0][4]} {layout}")
+    if rows[0][4] < 0 and explicit[0] < 0:  # nothing but the shard sizes states the layout
+        if same:
+            raise ValueError(same_msg)
+        warned = _WARNED.setdefault(group, set())
+        if layout_key not in warned:
+            warned.add(layout_key)
+            warnings.warn("fused_linear_cross_entropy with group= and neither vocab_size= nor vocab_start=: "
+                          + _UNSTATED.format(v=pos), stacklevel=2)
     return starts[dist.get_rank(group)], pos
 
 
@@ -93,17 +136,38 @@ def call_signature(*fields: object) -> int:
     return zlib.crc32(text) | (zlib.adler32(text) << 31)
 
 
-def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
-                  n_tokens: int = 0, fields: tuple = (), vocab_size: int | None = None) -> tuple[int, int]:
-    """``(vocab_start, vocab_size)`` of this rank.
+def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, vocab_start: int | None,
+                  device: torch.device, n_tokens: int = -1, fields: tuple = (),
+                  vocab_size: int | None = None) -> tuple[int, int]:
+    """``(vocab_start, vocab_size)`` of this rank; ``weight``: this rank's ``[V_local, H]`` shard (or
+    only its row count ``V_local``, which skips the weight checks below).
 
-    Once per distinct (group, shard, token count, vocab_size) it all-gathers them with the call
-    signature (a digest of ``fields``: options, settings, shapes; computed only then) and raises
-    ``ValueError`` on every rank if the shards do not tile ``[0, V)`` exactly (``V`` =
-    ``vocab_size`` when given), or the ranks disagree on the token count or the call signature. The signature is not part of the cache key: a later call that changes an option on
-    one rank only meets the per-call guard of the statistics collective (``guard.py``), which every
-    rank sees. A rank whose shard or token count changes on its own meets the others in a different
-    collective: the backend's collective-mismatch error or the group's timeout, never a wrong loss."""
+    Once per layout (group, ``V_local``, the weight's ``H`` and dtype, ``vocab_start``,
+    ``vocab_size``: not the token count, so a new ``N`` costs nothing; without ``vocab_size=`` once
+    per layout and token count, since then nothing that every rank shares tells a new layout from
+    an old one, and the ranks' cache hits must agree) it all-gathers the shard's
+    start and size, the token count, the call signature (a digest of ``fields``: options, settings,
+    shapes; computed only then) and a digest of the shard's rows (``shard_digest``, on the device):
+    one collective and one host sync. It raises ``ValueError`` on every rank if the shards do not
+    tile ``[0, V)`` exactly (``V`` = ``vocab_size`` when given), or the ranks disagree on the token
+    count (``n_tokens`` < 0: not compared) or the call signature, or every rank passed the same
+    rows while nothing else states the layout.
+
+    The rule for equal shards (P > 1 ranks, ``V_local`` > 1 rows each, bitwise equal digests), which
+    is what the full ``[V, H]`` weight passed on every rank looks like: without ``vocab_size=`` and
+    ``vocab_start=`` a ``ValueError`` naming ``weight`` (slice it with ``flce_dist.vocab_shard``);
+    with either, the stated layout decides (a wrong one raises the tiling error, with the same
+    advice), so a legitimately equal layout (a constant initialisation such as zeros) passes when
+    ``vocab_size=`` is given. Tied embeddings are not equal shards (each rank holds its own slice).
+    Shards in another rank order cannot be told apart from the weights: without ``vocab_size=`` and
+    ``vocab_start=`` a ``UserWarning`` (once per layout) says that the rank order is assumed.
+
+    Later calls are checked per call by the guard of the statistics collective (``guard.py``: the
+    call signature, the token count, the targets, a sample of hidden), which every rank sees. A rank
+    whose layout or token count changes on its own meets the others in a different or mismatched
+    collective: the guard's error (NaN on the GPU), the backend's collective-mismatch error or the
+    group's timeout, never a wrong loss."""
+    v_local = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(weight)
     if group is None or dist.get_world_size(group) == 1:
         if vocab_start not in (None, 0):
             raise ValueError(f"vocab_start must be 0 or None without a tensor-parallel group, got {vocab_start}")
@@ -111,21 +175,45 @@ def resolve_shard(group: dist.ProcessGroup | None, v_local: int, vocab_start: in
             raise ValueError(f"vocab_size is {vocab_size} but weight holds {v_local} rows without a tensor-parallel group")
         return 0, v_local
     dev = str(device) if dist.get_backend(group) == "nccl" else "cpu"
-    key = (v_local, vocab_start, dev, int(n_tokens), vocab_size)
+    shape = (tuple(weight.shape[1:]), str(weight.dtype)) if isinstance(weight, torch.Tensor) else None
+    # the ranks must agree on every hit and miss (a miss is a collective): the key holds this rank's
+    # shard and what every rank shares, vocab_size. Without vocab_size no shared value tells a new
+    # layout from an old one (V = 7 split 4/3, then V = 8 split 4/4: rank 0 would hit, rank 1 miss,
+    # a collective mismatch), so there the token count stays in the key, as it always was
+    key = (v_local, vocab_start, dev, vocab_size, shape, int(n_tokens) if vocab_size is None else None)
     checked = _SHARD_CACHE.setdefault(group, {})
     if key not in checked:
         if len(checked) > 1024:
             checked.clear()
-        checked[key] = _handshake(group, v_local, vocab_start, dev, int(n_tokens), fields, vocab_size)
+        digest = shard_digest(weight) if isinstance(weight, torch.Tensor) else None
+        checked[key] = _handshake(group, v_local, vocab_start, dev, int(n_tokens), fields, vocab_size, digest, key[:-1])
     return checked[key]
 
 
-def resolve_call(group: dist.ProcessGroup | None, v_local: int, vocab_start: int | None, device: torch.device,
-                 n_tokens: int, fields: tuple, vocab_size: int | None = None) -> tuple[int, int, str, int]:
-    """``(vocab_start, vocab_size, group name, group size)`` of a call: the shard checks of
-    :func:`resolve_shard`, with the call's ``fields`` (options, settings, shapes) compared across
-    ranks, and the group's name for the compiled op. Under torch.compile the API calls it through
-    ``torch._disable_dynamo``: its collective and host sync stay out of compiled graphs."""
+def resolve_call(group: dist.ProcessGroup | str | None, weight: torch.Tensor | int, vocab_start: int | None,
+                 device: torch.device, n_tokens: int, fields: tuple,
+                 vocab_size: int | None = None) -> tuple[int, int, str, int]:
+    """``(vocab_start, vocab_size, group name, group size)`` of a call: the once-per-layout checks
+    of :func:`resolve_shard`, with the call's ``fields`` (options, settings, shapes) compared across
+    ranks, and the group's name for the compiled op.
+
+    Eager calls reach it through ``torch._disable_dynamo`` (frames that run eagerly under a compiled
+    caller still meet Dynamo's frame hook). Under torch.compile the API calls it directly: it is
+    marked ``assume_constant_result``, so TorchDynamo runs it once while tracing (its collective and
+    host sync at trace time, once per layout like an eager call) and folds its result into the graph
+    as a constant: no graph break. There pass the group by name (``group.group_name``: Dynamo hands
+    the function an opaque stand-in for a ProcessGroup object), the weight itself (its real value
+    reaches the digest), ``Settings.astuple()`` in ``fields`` (a frozen dataclass is no Dynamo
+    constant) and ``n_tokens=-1`` (a symbolic token count is no constant; the per-call guard
+    compares it)."""
+    if isinstance(group, str):  # traced: the group by name (a constant; the group object is opaque there)
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group) if group else None
     size = group_size(group)
-    start, vocab = resolve_shard(group, v_local, vocab_start, device, n_tokens, fields, vocab_size)
+    start, vocab = resolve_shard(group, weight, vocab_start, device, n_tokens, fields, vocab_size)
     return start, vocab, group.group_name if size > 1 else "", size
+
+
+# torch._dynamo.assume_constant_result without importing torch._dynamo (~1 s) at import time
+resolve_call._dynamo_marked_constant = True  # type: ignore[attr-defined]

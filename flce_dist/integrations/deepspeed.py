@@ -75,7 +75,7 @@ def _autotp_head(head: nn.Module) -> HeadShard | None:
     start = getattr(head, "vocab_start_index", None)
     if start is None:
         start = sum(int(s) for s in head._partition_sizes[: head.tp_index])
-    return HeadShard(head.weight, bias, group, int(start))
+    return HeadShard(head.weight, bias, group, int(start), sum(int(s) for s in head._partition_sizes))
 
 
 def load_config(config: str | os.PathLike | dict | None) -> dict:

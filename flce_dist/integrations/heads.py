@@ -23,6 +23,7 @@ class HeadShard:
     bias: torch.Tensor | None
     group: dist.ProcessGroup | None = None
     vocab_start: int | None = None
+    vocab_size: int | None = None  # the global V: states the layout (the shard check then runs once, not per N)
 
 
 Finder = Callable[[nn.Module], "HeadShard | None"]

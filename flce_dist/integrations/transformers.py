@@ -121,8 +121,8 @@ def _sharded_by_apply(head: nn.Module) -> HeadShard | None:
         weight = TiedShardRows.apply(head.weight, tp.start, tp.end, sizes, tp.group)
         if bias is not None:
             bias = TiedShardRows.apply(bias, tp.start, tp.end, sizes, tp.group)
-        return HeadShard(weight, bias, tp.group, tp.start)
-    return HeadShard(head.weight, bias, tp.group, tp.start)
+        return HeadShard(weight, bias, tp.group, tp.start, tp.vocab)
+    return HeadShard(head.weight, bias, tp.group, tp.start, tp.vocab)
 
 
 @register_head_shard
@@ -131,12 +131,12 @@ def _vocab_parallel_lm_head(head: nn.Module) -> HeadShard | None:
         return None
     if head.mesh is not None:  # DTensor parameters: the layout travels with them
         return HeadShard(head.weight, head.bias)
-    return HeadShard(head.weight, head.bias, head.group, head.shard[0])
+    return HeadShard(head.weight, head.bias, head.group, head.shard[0], head.vocab_size)
 
 
 def _head_loss(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
     shard = head_shard(head)
-    weight, bias, group, start = shard.weight, shard.bias, shard.group, shard.vocab_start
+    weight, bias, group, start, vocab = shard.weight, shard.bias, shard.group, shard.vocab_start, shard.vocab_size
     if isinstance(head, VocabParallelLMHead):  # its own loss options, under apply()'s
         options = {**head.loss.options, **options}
     dev = hidden.device.type
@@ -146,7 +146,8 @@ def _head_loss(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, opti
         bias = None if bias is None else bias.to(dt)
     elif hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
-    return fused_linear_cross_entropy(hidden, weight, target, bias=bias, group=group, vocab_start=start, **options)
+    return fused_linear_cross_entropy(hidden, weight, target, bias=bias, group=group, vocab_start=start,
+                                      **{"vocab_size": vocab, **options})
 
 
 def _patched_head_forward(self, input, *args, flce_target=None, flce_options=None, **kwargs):

@@ -13,7 +13,10 @@ import math
 
 import helion
 
-SETTINGS = dict(ignore_warnings=[helion.exc.ProcessGroupNameNotFound])
+from ..reference_mode import helion_settings
+
+# (plus ``ref_mode`` in Helion's reference mode: ``reference_mode.py``, which switches kernels made before it)
+SETTINGS = dict(ignore_warnings=[helion.exc.ProcessGroupNameNotFound], **helion_settings())
 
 # Helion 1.4 lowers torch.exp to libdevice's expf (a range-reduced sequence of several instructions)
 # and torch.exp2 to one ex2.approx: the elementwise passes are instruction-bound on the H200

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import resolve_call, resolve_shard
+from .distributed import groups as _groups
 from .distributed.dtensor import is_dtensor, unwrap
 from .options import FLCEParams, LossOptions
 from .settings import Settings, current
@@ -106,6 +107,8 @@ def _num_items(num_items_in_batch: object, device: torch.device) -> torch.Tensor
                              f"{tuple(num_items_in_batch.shape)}")
         if num_items_in_batch.device.type == "cpu" and not float(num_items_in_batch) >= 0:
             raise ValueError(f"num_items_in_batch must be >= 0, got {float(num_items_in_batch)}")
+        if num_items_in_batch.device.type == "meta" and device.type != "meta":
+            raise ValueError(f"num_items_in_batch is a meta tensor (no value) but hidden is on {device}")
         return num_items_in_batch.to(device).reshape(())
     if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real) \
             or not 0 <= float(num_items_in_batch) < float("inf"):
@@ -240,6 +243,9 @@ def fused_linear_cross_entropy(
     if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
         raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
                          "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)")
+    meta = hidden.device.type == "meta"  # shapes only: the custom op's fake kernels (never Helion's reference mode)
+    if meta and group is not None:
+        raise ValueError("meta tensors (shapes only) work without a group: a group's shard check is a collective")
     if group is None:  # no collective: stays inside a compiled graph
         (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
                                                        vocab_size=vocab_size), "", 1
@@ -265,7 +271,7 @@ def fused_linear_cross_entropy(
     options = options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
     # the inputs are in the autocast dtype already; the core's own float32 matmuls must stay float32
     with torch.autocast(hidden.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
-        if compiling and not options.sequence_parallel and dt is None:
+        if (compiling or meta) and not options.sequence_parallel and dt is None:
             # under torch.compile: the custom op (compile_op.py), one graph, no break
             loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(),
                                                     num_items, FLCEParams.encode(start, vocab, options, settings),
@@ -274,6 +280,8 @@ def fused_linear_cross_entropy(
             params = FLCEParams(start, vocab, options, settings)
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
                                              params, group)
+    if not compiling:  # after the first call's import of torch._dynamo: undo its pin of the default group
+        _groups.unpin_default_group()
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):

@@ -1,6 +1,7 @@
 """Shared by the multi-rank check scripts (tests/dist_checks.py, tests/dtensor_checks.py, run by
 torchrun) and the pytest files that launch them: small Helion blocks, the relative error, a
-collecting checker, and the torchrun launcher with its summary parsing."""
+collecting checker, the torchrun launcher with its summary parsing, and the rank exit / spawn
+helpers (no interpreter teardown in a rank: issue #31's exit abort)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, NoReturn
 
 import torch
 
@@ -79,6 +81,32 @@ class Checker:
         for f in self.failures:
             print(f"[rank {self.rank}] FAIL {f}", flush=True)
         print(f"[rank {self.rank}] {self.count - len(self.failures)} passed, {len(self.failures)} failed", flush=True)
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank process (a torchrun script's ``__main__``, an ``mp.spawn`` worker) without interpreter
+    teardown, after its own ``destroy_process_group``. Groups that torch keeps alive past
+    ``destroy_process_group`` (DTensor's sharding caches and meshes, a compiled graph's guards,
+    DeepSpeed's objects) keep their gloo worker threads; one still releasing its last collective's
+    tensors (a decref that takes the GIL) once ``Py_FinalizeEx`` has begun aborts the rank with
+    "terminate called without an active exception" (``tests/test_exit.py``; flce_dist itself no longer
+    pins the default group)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _spawned(rank: int, fn: Callable, *args) -> None:
+    fn(rank, *args)
+    exit_rank(0)  # an exception above takes mp.spawn's usual path instead (reported; the test fails)
+
+
+def spawn(fn: Callable, nprocs: int, *args) -> None:
+    """``torch.multiprocessing.spawn`` of ``fn(rank, *args)`` on ``nprocs`` ranks, each ending through
+    :func:`exit_rank` once ``fn`` returns."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned, args=(fn, *args), nprocs=nprocs, join=True, start_method="spawn")
 
 
 def free_port() -> int:

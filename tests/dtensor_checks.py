@@ -30,7 +30,7 @@ import flce_dist  # noqa: E402
 from flce_dist import reference_loss, settings, vocab_shard  # noqa: E402
 from flce_dist.distributed.dtensor import chunk_span  # noqa: E402
 from flce_dist.distributed.shard import clear_shard_cache  # noqa: E402
-from tests._checks import SMALL_BLOCKS, Checker  # noqa: E402
+from tests._checks import SMALL_BLOCKS, Checker, exit_rank  # noqa: E402
 
 def _weight(w: torch.Tensor, mesh, tp_dim: int, split: str, dev, dtype) -> DTensor:
     """The full [V, ...] ``w`` as a DTensor Shard(0) on mesh dim ``tp_dim`` (Replicate elsewhere)."""
@@ -297,4 +297,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())  # no interpreter teardown: the mesh groups outlive destroy_process_group

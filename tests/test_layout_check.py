@@ -21,12 +21,11 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import flce_dist
 from flce_dist import fused_linear_cross_entropy as F
 from flce_dist import reference_loss
-from tests._checks import SMALL_BLOCKS, rel
+from tests._checks import SMALL_BLOCKS, rel, spawn
 
 
 def _init(rank: int, tmp: str):
@@ -40,7 +39,7 @@ def _init(rank: int, tmp: str):
 
 def _spawn(worker, *args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_run, args=(worker, tmp, *args), nprocs=2, join=True)
+        spawn(_run, 2, worker, tmp, *args)
         return [torch.load(os.path.join(tmp, f"r{r}.pt")) for r in range(2)]
 
 

@@ -9,13 +9,12 @@ import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flce_dist
 from flce_dist import Settings, fused_linear_cross_entropy as F, reference_loss
 
-from ._checks import rel
+from ._checks import rel, spawn
 
 _MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.out,
        torch.ops.aten.addmm_.default, torch.ops.aten.mm.dtype, torch.ops.aten.mm.dtype_out}
@@ -156,7 +155,7 @@ def _sp_worker(rank, tmp, out):
 @pytest.mark.dist
 def test_sequence_parallel_keeps_only_the_local_hidden():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_sp_worker, args=(tmp, tmp), nprocs=2, join=True)
+        spawn(_sp_worker, 2, tmp, tmp)
         for r in range(2):
             res = torch.load(os.path.join(tmp, f"r{r}.pt"))
             for s in ("fused", "recompute"):

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "launch"))
 
 from components import shared_gpu  # noqa: E402
 from components.config import load_config  # noqa: E402
+from tests._checks import spawn  # noqa: E402
 
 
 def test_config_accepts_cuda_shared_and_rejects_typos():
@@ -56,7 +56,7 @@ def test_host_staged_functional_all_gather_two_ranks():
     fd, path = tempfile.mkstemp()
     os.close(fd)
     os.remove(path)
-    mp.start_processes(_rank, args=(f"file://{path}",), nprocs=2, start_method="spawn")
+    spawn(_rank, 2, f"file://{path}")
     shared_gpu.install()
     shared_gpu.install()  # idempotent
     assert len(shared_gpu._LIBS) == 1

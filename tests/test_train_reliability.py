@@ -315,9 +315,9 @@ def test_partial_grads_reduced_once(tmp_path, fix):
     reduce_partial_grads_ reduces them (one all-reduce for the bucket), to the same values DTensor
     would give, so the clip and AdamW read them without reducing them again (without it: ~8
     reductions per norm weight per step, the ~165 small all-reduces of the tp=2 profile)."""
-    import torch.multiprocessing as mp
+    from ._checks import spawn
 
-    mp.start_processes(_partial_worker, args=(str(tmp_path), fix), nprocs=2, join=True, start_method="spawn")
+    spawn(_partial_worker, 2, str(tmp_path), fix)
     for r in (0, 1):
         res = json.loads((tmp_path / f"res{r}_{int(fix)}.json").read_text())
         norms = [n for n in res["partial"] if "norm" in n]

@@ -288,7 +288,7 @@ def _dtensor_worker(rank, init_file, world):
 
 @pytest.mark.dist
 def test_dtensor_vocab_shard_stays_sharded(tmp_path):
-    import torch.multiprocessing as mp
+    from tests._checks import spawn
 
     os.environ.setdefault("HELION_INTERPRET", "1")
-    mp.start_processes(_dtensor_worker, args=(str(tmp_path / "rdzv"), 2), nprocs=2, join=True, start_method="spawn")
+    spawn(_dtensor_worker, 2, str(tmp_path / "rdzv"), 2)

@@ -124,3 +124,28 @@ def torchrun(script: str, world: int, *args: str, timeout: int = 600) -> tuple[i
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     out = "\n".join(line for line in (res.stdout + res.stderr).splitlines() if "registered at" not in line)
     return res.returncode, out, re.findall(r"\[rank (\d+)\] (\d+) passed, (\d+) failed", out)
+
+
+def run_ranks(fn: Callable, world: int, tmp: str, timeout: float = 600.0) -> list:
+    """Start ``fn(rank, world, tmp)`` on ``world`` processes and return each rank's
+    ``torch.load(tmp/r<rank>.pt)`` (what ``fn`` saved). Forks where that is safe (no other Python
+    thread, no CUDA): the ranks inherit this process's imports and warm caches (a spawned rank
+    re-imports torch and the frameworks: ~6-10 s each on 2 cores); else spawns. Kills the ranks and
+    fails the test after ``timeout`` seconds instead of hanging."""
+    import threading
+    import time
+
+    import torch
+    import torch.multiprocessing as mp
+
+    fork = threading.active_count() == 1 and not torch.cuda.is_initialized()
+    ctx = mp.start_processes(fn, args=(world, tmp), nprocs=world, join=False, start_method="fork" if fork else "spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            import pytest
+
+            pytest.fail(f"the ranks did not finish within {timeout:.0f} s")
+    return [torch.load(os.path.join(tmp, f"r{r}.pt")) for r in range(world)]

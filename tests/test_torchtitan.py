@@ -31,13 +31,13 @@ import importlib.util
 import os
 import sys
 import tempfile
-import threading
-import time
 import traceback
 import types
 
 import pytest
 import torch
+
+from tests._checks import run_ranks
 
 pytest.importorskip("torchtitan")
 pytest.importorskip("spmd_types")
@@ -457,22 +457,10 @@ def _run(rank: int, world: int, tmp: str) -> None:
 
 @pytest.mark.dist
 def test_multi_rank_matches_torchtitan():
-    import torch.multiprocessing as mp
 
     world = 3
-    # fork where it is safe (no other Python thread, no CUDA): the ranks inherit this process's
-    # imports (torch, torchtitan, flce_dist: ~6 s a process under spawn on 2 cores) and warm caches
-    fork = threading.active_count() == 1 and not torch.cuda.is_initialized()
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_run, args=(world, tmp), nprocs=world, join=False,
-                                 start_method="fork" if fork else "spawn")
-        deadline = time.monotonic() + 600
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                pytest.fail("the ranks did not finish within 600 s")
-        res = [torch.load(os.path.join(tmp, f"r{r}.pt")) for r in range(world)]
+        res = run_ranks(_run, world, tmp)
     for r, d in enumerate(res):
         assert "error" not in d, f"rank {r}:\n{d['error']}"
         assert len(d) == (6 if r == 2 else 6 + 6 + 8 + 3 + 7 + 7), (r, sorted(d))

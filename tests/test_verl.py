@@ -13,19 +13,16 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import traceback
 import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import flce_dist
 from flce_dist import reference_logprobs_and_entropy
 from flce_dist.integrations import verl as flce_verl
-from tests._checks import ROOT, SMALL_BLOCKS, rel
+from tests._checks import ROOT, SMALL_BLOCKS, rel, run_ranks
 
 V, H, T = 52, 40, 0.7  # H not a multiple of 128 (verl's kernel asserts H % 128 == 0)
 
@@ -181,19 +178,8 @@ def _run(rank, world, tmp):
 @pytest.mark.dist
 def test_three_ranks_uneven_shards_match_reference():
     world = 3
-    # fork where it is safe (no other Python thread, no CUDA): the ranks inherit this process's
-    # imports and warm caches (a spawned rank re-imports torch and flce_dist: ~30 s for 3 on 2 cores)
-    fork = threading.active_count() == 1 and not torch.cuda.is_initialized()
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_run, args=(world, tmp), nprocs=world, join=False,
-                                 start_method="fork" if fork else "spawn")
-        deadline = time.monotonic() + 600
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for proc in ctx.processes:
-                    proc.kill()
-                pytest.fail("the ranks did not finish within 600 s")
-        results = [torch.load(os.path.join(tmp, f"r{r}.pt")) for r in range(world)]
+        results = run_ranks(_run, world, tmp)
     for rank, res in enumerate(results):
         assert "error" not in res, f"rank {rank}:\n{res.get('error')}"
         assert len(res) == 16, res

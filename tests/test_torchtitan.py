@@ -457,7 +457,6 @@ def _run(rank: int, world: int, tmp: str) -> None:
 
 @pytest.mark.dist
 def test_multi_rank_matches_torchtitan():
-
     world = 3
     with tempfile.TemporaryDirectory() as tmp:
         res = run_ranks(_run, world, tmp)

@@ -110,6 +110,18 @@ step_rl() {
     | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40}
 }
 
+# bench_trl.py: TRL 1.16 GRPO plain vs flce_dist.integrations.trl.patch(): the fused head, a 1B Llama's loss pass, GRPOTrainer steps (TRL_ARGS, TRL_TIMEOUT=400)
+step_trl() {
+  timeout ${TRL_TIMEOUT:-400} python3 benchmarks/bench_trl.py --out "$OUT" ${TRL_ARGS:-} 2>&1 | flt \
+    | tee "$OUT/bench_trl.log" | sed -n '/=== TRL summary/,$p'
+}
+
+# bench_torchtitan.py: does torchtitan import on this torch; its ChunkedLossWrapper vs flce_dist's torchtitan loss (TITAN_ARGS)
+step_titan() {
+  timeout 240 python3 benchmarks/bench_torchtitan.py --out "$OUT" ${TITAN_ARGS:-} 2>&1 | flt \
+    | tee "$OUT/bench_torchtitan.log" | tail -8
+}
+
 # ---------------------------------------------------------------- the benchmarks (TP on every GPU)
 # bench_tp.py: flce vs Megatron-style, Liger vocab-parallel, DeepSpeed, against the TP floor
 step_tpbench() {
@@ -340,6 +352,32 @@ step_filtertrain() {
   done
   python3 benchmarks/compare_losses.py "$OUT/losses_filter_exact.json" "$OUT/losses_filter_auto.json" 2>&1 \
     | tee "$OUT/filter_curve.txt" | tail -4
+}
+
+# the ~1.2B Llama (llama_1b_gpu.toml, tp=1, 1 GPU) for TRAIN_STEPS=300 steps, exact vs grad_filter_eps="auto",
+# the seeds in SEEDS="0" (each seed's two runs side by side on the one GPU), then compare_losses.py per seed
+step_filtertrain1b() {
+  for seed in ${SEEDS:-0}; do
+    for e in "" auto; do
+      tag=${e:-exact}_s$seed
+      NGPU=1 TORCHRUN=torchrun CONFIG=configs/train/llama_1b_gpu.toml timeout ${TRAIN_TIMEOUT:-540} bash launch/train.sh \
+        --overwrite --set parallel.tp=1 --set training.steps=${TRAIN_STEPS:-300} --set job.seed=$seed \
+        --set model.grad_filter_eps=\"$e\" --set job.out_dir=\"runs/f1b_$tag\" --set job.progress=\"off\" \
+        --set checkpoint.ckpt_every=0 > "$OUT/train1b_$tag.log" 2>&1 &
+    done
+    wait
+    for e in exact auto; do
+      cp runs/f1b_${e}_s$seed/losses.json "$OUT/losses1b_${e}_s$seed.json"; flt < "$OUT/train1b_${e}_s$seed.log" | tail -1
+    done
+    python3 benchmarks/compare_losses.py "$OUT/losses1b_exact_s$seed.json" "$OUT/losses1b_auto_s$seed.json" 2>&1 \
+      | tee "$OUT/filter1b_curve_s$seed.txt" | tail -4
+  done
+}
+
+# probes/real_setups.py --dw-sweep: the fused dW error per token-chunk count, bf16 vs float32 accumulation, random and realistic (llama3)
+step_dwsweep() {
+  timeout 300 python3 benchmarks/probes/real_setups.py --dw-sweep --out "$OUT" 2>&1 | flt | tee "$OUT/dw_sweep.log" \
+    | sed -n '/=== dW sweep summary/,$p'
 }
 
 # the trained data mode end to end: the launcher trains the small model, capture_trained.py reads its

@@ -9,6 +9,11 @@ question, not a softmax-shape one). Rows, each in one process, same run:
     (gradients included), dW relative error vs the float64 reference of the same bf16 inputs.
   * frozen head (weight.requires_grad=False): ms vs two matmuls (x @ W.T, dz @ W) and vs full.
 Prints a table last; writes CSV to --out.
+
+``--dw-sweep``: instead, the dW error of the fused strategy per token-chunk count (1, 2, 3, 4, 5, 6,
+8 chunks of N=8192 at llama3, forced by ``Settings(chunk_bytes=...)``) with bf16 ("native") and
+float32 accumulation, on random and realistic data (``benchmarks/data.py``), as a ratio to the
+one-chunk error of the same inputs (issue 34 item 1's bar: <= 1.2x at any chunk count).
 """
 
 from __future__ import annotations
@@ -41,10 +46,51 @@ def dw_ref(x, w, t):
     return out
 
 
+def dw_sweep(out: str, n: int = 8192, h: int = 4096, v: int = 128256) -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import data  # noqa: E402  (benchmarks/data.py)
+    from flce_dist.chunking import chunk_rows
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a small-shape check of the probe itself
+    rows = []
+    for mode in ("random", "realistic"):
+        x, w, t = data.make_inputs(n, h, v, mode=mode, dtype=torch.bfloat16, device=dev, seed=0)
+        w = w.detach().requires_grad_()
+        ref = dw_ref(x, w.detach(), t)
+        base = None
+        for k in (1, 2, 3, 4, 5, 6, 8):
+            budget = -(-(-(-n // k)) // 128) * 128 * v * 2
+            got_rows = chunk_rows(n, v, 2, x.device, Settings(chunk_bytes=budget))
+            chunks = -(-n // got_rows)
+            for acc in ("native", "float32"):
+                s = Settings(chunk_bytes=budget, dw_accumulate=acc)
+                w.grad = None
+                flce_dist.fused_linear_cross_entropy(x, w, t, reduction="sum", settings=s, strategy="fused").backward()
+                err = ((w.grad.double() - ref).norm() / ref.norm()).item()
+                if k == 1 and acc == "native":
+                    base = err
+                rows.append(dict(data=mode, chunks=chunks, acc=acc, dw_err=f"{err:.4e}", ratio=round(err / base, 3)))
+                print(rows[-1], flush=True)
+        del x, w, t, ref
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "dw_sweep.csv"), "w", newline="") as f:
+        wr = csv.DictWriter(f, list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    print("=== dW sweep summary (llama3 N=8192 bf16, fused; ratio = error / one-chunk error)")
+    print(f"{'data':10} {'chunks':>6} {'native':>8} {'float32':>8}")
+    for i in range(0, len(rows), 2):
+        print(f"{rows[i]['data']:10} {rows[i]['chunks']:>6} {rows[i]['ratio']:>8} {rows[i + 1]['ratio']:>8}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--dw-sweep", action="store_true", help="the dW error per chunk count (see the docstring)")
+    ap.add_argument("--dw-shape", default="8192,4096,128256", help="--dw-sweep: N,H,V")
     a = ap.parse_args()
+    if a.dw_sweep:
+        return dw_sweep(a.out, *(int(s) for s in a.dw_shape.split(",")))
     rows = []
     for name, n, h, v in (("llama3", 8192, 4096, 128256), ("v32k", 4096, 4096, 32000)):
         g = torch.Generator(device="cuda").manual_seed(0)

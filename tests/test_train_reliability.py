@@ -332,7 +332,8 @@ def test_partial_grads_reduced_once(tmp_path, fix):
 # ------------------------------------------------------------------------------------- README
 
 def _readme_train_commands() -> list[list[str]]:
-    blocks = (ROOT / "README.md").read_text().split("```")[1::2]  # the code blocks
+    # the code blocks of the README and of docs/training.md (where the other entry points moved)
+    blocks = [b for page in ("README.md", "docs/training.md") for b in (ROOT / page).read_text().split("```")[1::2]]
     cmds = []
     for line in "\n".join(blocks).splitlines():
         if "launch/train.py" in line or "launch/train.sh" in line:

@@ -86,7 +86,9 @@ def main() -> None:
             print(f"[{name}] {label}: {ms:.2f} ms, peak {peak:.2f} GiB, loss {got[label][0].item():.5f}", flush=True)
         (la, xa, wa), (lb, xb, wb) = got["torchtitan"], got["flce"]
         rel = lambda a, r: ((a - r).norm() / r.norm()).item()  # noqa: E731
-        rows[-1].update(rel_loss=rel(lb, la), rel_dx=rel(xb, xa), rel_dw=rel(wb, wa))
+        errs = dict(rel_loss=rel(lb, la), rel_dx=rel(xb, xa), rel_dw=rel(wb, wa))  # flce vs torchtitan
+        rows[-2].update({k: 0.0 for k in errs})
+        rows[-1].update(errs)
         del hidden, head, losses, got, x
         torch.cuda.empty_cache()
     write_csv(rows, "torchtitan_loss.csv", [args.out] if args.out else [])

@@ -228,8 +228,8 @@ def main() -> None:
     key = {"head": "ms", "model": "ms", "trainer": "step_ms"}
     for i in range(0, len(rows) - 1, 2):
         a, b = rows[i], rows[i + 1]
-        what = {"head": f"N={a['n']}", "model": f"B={a.get('b')} T={a.get('t')}",
-                "trainer": f"B={a.get('batch')} C={a.get('completion')}"}[a["level"]]
+        what = (f"N={a.get('n')}" if a["level"] == "head" else f"B={a.get('b')} T={a.get('t')}"
+                if a["level"] == "model" else f"B={a.get('batch')} C={a.get('completion')}")
         k = key[a["level"]]
         extra = (f"  loss pass {a['loss_ms']:.1f}/{b['loss_ms']:.1f} ms, backward {a['backward_ms']:.1f}/"
                  f"{b['backward_ms']:.1f} ms" if a["level"] == "trainer" else "")

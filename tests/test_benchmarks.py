@@ -604,3 +604,19 @@ def test_results_readme_names_every_folder():
     kept = [p.name for p in results.iterdir() if p.is_dir() or p.suffix == ".png"]
     missing = [n for n in kept if f"`{n}/`" not in text and f"`{n}`" not in text]
     assert not missing, f"benchmarks/results/README.md does not name {missing}"
+
+
+def test_bench_torch_lce_row_on_cpu():
+    """bench.py times torch's own chunked linear cross entropy wherever the running torch has it
+    (torch 2.13 here): the row's callable gives the plain cross entropy of the same inputs."""
+    import torch.nn.functional as F
+
+    if not hasattr(F, "linear_cross_entropy"):
+        pytest.skip("this torch has no F.linear_cross_entropy")
+    impls = pytest.importorskip("bench")._impls()
+    assert "torch_lce" in impls
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(37, 24, generator=g), torch.randn(101, 24, generator=g) * 0.3
+    t = torch.randint(0, 101, (37,), generator=g)
+    ref = F.cross_entropy((x.double() @ w.double().T), t)
+    assert abs(impls["torch_lce"](x, w, t).double().item() - ref.item()) < 1e-5

@@ -25,12 +25,15 @@ import torch
 from .settings import Settings
 
 _SIXTEEN = (torch.bfloat16, torch.float16)
-# Token chunks from which "auto" accumulates in float32. Measured (benchmarks/NOTES.md, run 23):
-# on the H200 at llama3 (random data) bf16 accumulation was 1.07x the float32 error at 3 chunks and
-# 1.11x at 8; on CPU with peaked softmax-shaped dz 1.16x / 1.31x / 1.71x at 2 / 3 / 6 chunks. The
-# float32 halves cost 2 V_r H bytes (1 GiB at llama3, TP=1) and 3-10% time, which the default plans
-# of the SPEC shapes (3-5 chunks, under the 1 GiB bar) do not pay; longer sequences do.
-AUTO_MIN_CHUNKS = 6
+# Token chunks from which "auto" accumulates in float32. Measured on the H200 (benchmarks/NOTES.md,
+# run 25, llama3 N=8192, bf16, chunks forced by chunk_bytes; ratio to the one-chunk dW error): bf16
+# accumulation 1.03 / 1.05 / 1.06 / 1.06 / 1.07 / 1.07x at 2 / 3 / 4 / 5 / 6 / 8 chunks on random
+# data, 1.10 / 1.13 / 1.15 / 1.20 / 1.22 / 1.26x on realistic data; float32 1.00x at every count.
+# So bf16 stays within issue 34's 1.2x bar up to 4 chunks and float32 takes over from 5. The
+# float32 halves cost 2 V_r H bytes (1 GiB at llama3, TP=1) and 3-10% time (run 23), which the
+# default plans of the SPEC shapes at N=8192 (3 chunks, under the 1 GiB bar) do not pay; longer
+# sequences (N >~ 11k tokens at llama3, TP=1) do, and there the accumulator comes on top of the bar.
+AUTO_MIN_CHUNKS = 5
 _BLOCK_BYTES = 32 << 20  # the in-place conversion's row blocks (a temporary of this size)
 
 

@@ -26,10 +26,10 @@ field                  environment default          meaning
                                                     shipped block sizes (tests force several tiles)
 ``config_dir``         ``FLCE_CONFIG_DIR``          directory of ``<arch>.json`` Helion configs
 ``dw_accumulate``      (none)                       the fused strategy's dW accumulator for a 16-bit
-                                                    weight: ``"auto"`` (float32 from 6 token chunks
+                                                    weight: ``"auto"`` (float32 from 5 token chunks
                                                     on: each chunk added in bf16 rounds dW once more,
-                                                    1.1-1.3x the one-chunk error at 3 chunks, 7.5x at
-                                                    128), ``"float32"`` (always) or ``"native"`` (the
+                                                    1.13x the one-chunk error at 3 chunks, 1.20x at 5,
+                                                    7.5x at 128), ``"float32"`` (always) or ``"native"`` (the
                                                     weight's dtype: no extra memory). float32 costs
                                                     2 bytes x V_local x H beyond the returned dW.
 =====================  ==========================  ==============================================

@@ -58,6 +58,18 @@ def test_dw_precision_does_not_fall_with_the_chunk_count():
     assert native > 1.2 * one, (one, native)  # the check can fail: bf16 accumulation over 32 chunks
 
 
+def test_auto_accumulator_switches_at_five_chunks():
+    """"auto" keeps bf16 up to 4 token chunks and takes float32 from 5 (H200 run 25: bf16 was 1.15x
+    the one-chunk error at 4 chunks, 1.20x at 5 on realistic data); float16 too, never float32 weights."""
+    from flce_dist import accumulate
+
+    auto = Settings()
+    assert [accumulate.uses_float32(torch.bfloat16, k, auto) for k in (1, 4, 5, 6, 128)] == [False, False, True, True, True]
+    assert accumulate.uses_float32(torch.float16, 5, auto) and not accumulate.uses_float32(torch.float32, 128, auto)
+    assert accumulate.uses_float32(torch.bfloat16, 1, Settings(dw_accumulate="float32"))
+    assert not accumulate.uses_float32(torch.bfloat16, 128, Settings(dw_accumulate="native"))
+
+
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
 def test_only_the_needed_gradients_are_formed(strategy, need):

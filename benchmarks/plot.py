@@ -12,6 +12,12 @@ mode (``--data`` keeps only the listed modes); older CSVs count as ``random``.
 plots instead a chunk-budget sweep (``ab_flce.py`` CSVs of several ``FLCE_CHUNK_MB``, e.g. ``device.sh
 chunksweep``): per data mode, flce exact and the chunk plan's cuBLAS work (``_timing.chunked_matmuls``),
 each relative to the three distinct matmuls, against the memory beyond the returned gradients.
+
+    python benchmarks/plot.py --loss-curves runs/a/losses.json runs/b/losses.json --out curves.png
+
+plots training loss curves (the launcher's ``losses.json``: its ``losses`` list), one line per
+file named by its stem, on a log scale, with a second panel of each file's difference to the first
+of its group (files named ``<group>_<variant>...``: e.g. ``losses1b_exact_s0`` vs ``losses1b_auto_s0``).
 """
 
 from __future__ import annotations
@@ -67,13 +73,54 @@ def plot_chunk_sweep(paths: list[str], out: str) -> None:
     print(f"wrote {out}")
 
 
+def plot_loss_curves(paths: list[str], out: str) -> None:
+    """Loss per step of each ``losses.json`` (log y), and each file's difference to the file of the
+    same seed suffix (``_s<k>``) that comes first: ``auto - exact`` per seed, next to the seed spread
+    (the first file of each seed against the first file overall)."""
+    import json
+
+    loaded = {Path(p).stem: json.load(open(p)) for p in paths}
+    curves = {k: v["losses"] if isinstance(v, dict) else v for k, v in loaded.items()}
+    fig, (ax, ad) = plt.subplots(1, 2, figsize=(13, 4.2))
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats)")
+    ax.legend(fontsize=7)
+    first_of_seed: dict[str, str] = {}
+    names = list(curves)
+    for name in names:
+        seed = name.rsplit("_", 1)[-1]
+        base = first_of_seed.setdefault(seed, name)
+        if base != name:
+            d = [b - a for a, b in zip(curves[base], curves[name])]
+            ad.plot(range(1, len(d) + 1), d, lw=1, label=f"{name} - {base}")
+    bases = list(first_of_seed.values())
+    for other in bases[1:]:
+        d = [b - a for a, b in zip(curves[bases[0]], curves[other])]
+        ad.plot(range(1, len(d) + 1), d, lw=1, ls=":", color="grey", label=f"seed spread: {other} - {bases[0]}")
+    ad.axhline(0.0, color="k", lw=0.8)
+    ad.set_xlabel("step")
+    ad.set_ylabel("loss difference (nats)")
+    ad.legend(fontsize=7)
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv", nargs="+")
     ap.add_argument("--out", default="benchmarks/results/summary.png")
     ap.add_argument("--data", default="", help="comma list of data modes to plot (default: all in the CSVs)")
     ap.add_argument("--chunk-sweep", action="store_true", help="the CSVs are ab_flce.py chunk-budget sweeps")
+    ap.add_argument("--loss-curves", action="store_true", help="the files are the launcher's losses.json")
     args = ap.parse_args()
+    if args.loss_curves:
+        plot_loss_curves(args.csv, args.out)
+        return
     if args.chunk_sweep:
         plot_chunk_sweep(args.csv, args.out)
         return

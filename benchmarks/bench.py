@@ -47,6 +47,13 @@ except ImportError:
     chunked_matmuls = None
 
 
+def torch_lce():
+    """torch's own chunked linear cross entropy with its default options (torch >= 2.13), or None."""
+    if not (hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")):
+        return None
+    return lambda x, w, t: F.linear_cross_entropy(x, w, t, options=torch.nn.LinearCrossEntropyOptions())
+
+
 def _impls():
     try:
         from flce_dist import settings as rt
@@ -88,9 +95,8 @@ def _impls():
             impls["liger_c16"] = liger_c16
     except Exception as e:  # noqa: BLE001
         print("liger chunk_mem_const unavailable:", e)
-    if hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions"):
-        # torch's own chunked linear cross entropy (torch >= 2.13), its default options
-        impls["torch_lce"] = lambda x, w, t: F.linear_cross_entropy(x, w, t, options=torch.nn.LinearCrossEntropyOptions())
+    if torch_lce() is not None:
+        impls["torch_lce"] = torch_lce()
     try:
         from cut_cross_entropy import linear_cross_entropy
 

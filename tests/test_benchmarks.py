@@ -620,3 +620,32 @@ def test_bench_torch_lce_row_on_cpu():
     t = torch.randint(0, 101, (37,), generator=g)
     ref = F.cross_entropy((x.double() @ w.double().T), t)
     assert abs(lce(x, w, t).double().item() - ref.item()) < 1e-5
+
+
+def test_plot_loss_curves(tmp_path, monkeypatch):
+    """plot.py --loss-curves reads the launcher's losses.json (a dict with "losses") or a bare list,
+    one line per file, differences per seed suffix; run 25's curves came from it."""
+    pytest.importorskip("matplotlib")
+    plot = pytest.importorskip("plot")
+    import json
+
+    paths = []
+    for name, off in (("l_exact_s0", 0.0), ("l_auto_s0", 0.1), ("l_exact_s1", 0.2), ("l_auto_s1", 0.05)):
+        ys = [5.0 / (1 + i) + off for i in range(30)]
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"losses": ys, "tp": 1} if "exact" in name else ys))
+        paths.append(str(p))
+    monkeypatch.setattr(sys, "argv", ["plot.py", "--loss-curves", *paths, "--out", str(tmp_path / "c.png")])
+    plot.main()
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_bench_trl_refuses_without_cuda(monkeypatch, capsys):
+    """bench_trl.py (GPU only) stops with exit code 2 and says it needs CUDA, before building anything."""
+    trl_bench = pytest.importorskip("bench_trl")
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    monkeypatch.setattr(sys, "argv", ["bench_trl.py", "--levels", "head"])
+    with pytest.raises(SystemExit) as e:
+        trl_bench.main()
+    assert e.value.code == 2 and "CUDA" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import torch
 
 from .settings import Settings
 
-EXTRA_BYTES = 1 << 30  # the loss's own memory beyond its inputs and the gradients it returns (the quality bar of SPEC section 5, restated in the README)
+EXTRA_BYTES = 1 << 30  # the loss's own memory beyond its inputs and the gradients it returns (the quality bar of SPEC section 5, restated in docs/settings.md)
 HEADROOM_BYTES = 64 << 20  # what lives beside the chunk: per-tile partials (32 MiB at llama3), stats, targets
 CPU_CHUNK_BYTES = 256 << 20
 

@@ -91,7 +91,7 @@ def option(default: Any, check: Callable[[str, Any], Any], doc: str, kind: str =
 
 @dataclasses.dataclass(frozen=True)
 class LossOptions:
-    """The options of one loss call (see the README's option table; ``doc`` of each field)."""
+    """The options of one loss call (see the option table in docs/api.md; ``doc`` of each field)."""
 
     ignore_index: int = option(-100, _int, "targets equal to it give loss 0 and no gradient")
     reduction: str = option("mean", _choice("mean", "sum", "none"),

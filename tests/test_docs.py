@@ -222,6 +222,7 @@ def test_quick_start_one_rank(tmp_path):
     assert abs(loss - ref) <= 1e-5 * abs(ref), (loss, ref)
 
 
+@pytest.mark.dist
 def test_quick_start_tensor_parallel(tmp_path):
     """The README's TP program, as written, under torchrun with 2 gloo ranks: a process group with
     vocab_size= and a Shard(0) DTensor weight give the same loss on every rank."""

@@ -16,6 +16,26 @@ from .settings import Settings
 EXTRA_BYTES = 1 << 30  # the loss's own memory beyond its inputs and the gradients it returns (the quality bar of SPEC section 5, restated in docs/settings.md)
 HEADROOM_BYTES = 64 << 20  # what lives beside the chunk: per-tile partials (32 MiB at llama3), stats, targets
 CPU_CHUNK_BYTES = 256 << 20
+GATHER_SHARE = 8  # the gradient filter's gathered block of the weight shard: 1/8 of the chunk budget
+GATHER_ALIGN = 64  # its rows: a multiple of the filter's vocab tile (and of 8: 16-byte aligned logits columns)
+
+
+def chunk_budget(device: torch.device, settings: Settings, share: int = 1, reserved_bytes: int = 0) -> int:
+    """Bytes of one materialised logits chunk (see :func:`chunk_rows`)."""
+    if settings.chunk_bytes is not None:
+        return settings.chunk_bytes
+    if device.type == "cuda":
+        return max(64 << 20, (EXTRA_BYTES - HEADROOM_BYTES) // max(1, share) - reserved_bytes)
+    return CPU_CHUNK_BYTES
+
+
+def gather_rows(v: int, row_bytes: int, device: torch.device, settings: Settings, share: int = 1) -> int:
+    """Rows of the weight shard per gathered block (``Settings(filter_order="gather")``: the gradient
+    filter's sorted vocabulary order read block by block, no sorted copy of the whole shard): 1/8 of the
+    chunk budget, a multiple of 64 rows, at least 64, at most ``v``. At llama3 (H = 4096, bf16, the CUDA
+    budget) 15,360 rows = 120 MiB: 9 blocks per token chunk; under TP both the budget and the shard are 1/P."""
+    rows = chunk_budget(device, settings, share) // GATHER_SHARE // max(1, row_bytes)
+    return max(1, min(v, max(GATHER_ALIGN, rows // GATHER_ALIGN * GATHER_ALIGN)))
 
 
 def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, settings: Settings,
@@ -35,12 +55,7 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
     chunks ran gemma at 1.35x / 1.26x / 1.14x three matmuls (llama3 1.13x / 1.09x / 1.08x): every
     chunk re-reads and re-writes the whole dW, and a chunk of few rows gives cuBLAS thin matmuls.
     """
-    if settings.chunk_bytes is not None:
-        budget = settings.chunk_bytes
-    elif device.type == "cuda":
-        budget = max(64 << 20, (EXTRA_BYTES - HEADROOM_BYTES) // max(1, share) - reserved_bytes)
-    else:
-        budget = CPU_CHUNK_BYTES
+    budget = chunk_budget(device, settings, share, reserved_bytes)
     if total <= 0:
         return 1
     per_row = row_elems * elem_size + (row_extra_bytes if settings.chunk_bytes is None else 0)

@@ -55,6 +55,35 @@ def test_masked_matmuls_match_their_references(filter_tiles, accumulate):
     assert rel(got, dense_w) < 1e-6
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_masked_matmuls_through_an_index(filter_tiles, accumulate):
+    """dx_masked reading the rows w[perm] and dw_masked writing dW's rows at perm (the filter's order
+    without a sorted copy of the shard) equal the same kernels on the sorted copy, put back in order."""
+    g = torch.Generator().manual_seed(2)
+    n, v, h = 45, 83, 70
+    bn, bv = K.masked_blocks(torch.device("cpu"), torch.float32, filter_tiles)
+    dz, w, x = torch.randn(n, v, generator=g), torch.randn(v, h, generator=g), torch.randn(n, h, generator=g)
+    perm = torch.randperm(v, generator=g)
+    keep = torch.rand(-(-n // bn), -(-v // bv), generator=g) < 0.5
+    base_x = torch.randn(n, h, generator=g)
+    got = K.dx_masked(dz, w, keep, base_x.clone(), accumulate, filter_tiles, w_perm=perm)
+    want = K.dx_masked(dz, w[perm], keep, base_x.clone(), accumulate, filter_tiles)
+    assert rel(got, want) < 1e-6 and rel(got, K.dx_masked(dz, w, keep, base_x.clone(), accumulate, filter_tiles)) > 1e-2
+    base = torch.randn(v, h, generator=g)
+    got = K.dw_masked(dz, x, keep, base.clone(), accumulate, filter_tiles, out_perm=perm)
+    sorted_dw = K.dw_masked(dz, x, keep, base[perm].clone(), accumulate, filter_tiles)
+    want = torch.empty_like(sorted_dw).index_copy_(0, perm, sorted_dw)
+    assert rel(got, want) < 1e-6
+    # a slice of the order (the recompute strategy's vocab chunk) writes only its own rows
+    part = perm[20:61]
+    out = base.clone()
+    K.dw_masked(dz[:, 20:61], x, keep[:, :1].expand(-1, -(-41 // bv)).contiguous(), out, accumulate, filter_tiles,
+                out_perm=part)
+    untouched = torch.ones(v, dtype=torch.bool)
+    untouched[part] = False
+    assert torch.equal(out[untouched], base[untouched])
+
+
 def test_filter_mask_is_the_block_max_of_the_gradient(filter_tiles):
     """chunk_grad_filtered_ writes the same dz as chunk_grad_ and keeps exactly the blocks with an
     entry |dz| >= eps * row_scale (rows of scale 0 keep nothing)."""

@@ -452,28 +452,38 @@ def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch
 
 
 def _masked_mm(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-               block_m: int, block_k: int, settings: Settings, variant: str) -> torch.Tensor:
+               block_m: int, block_k: int, settings: Settings, variant: str, b_perm: torch.Tensor | None = None,
+               out_perm: torch.Tensor | None = None) -> torch.Tensor:
     if a.numel() == 0:
-        return out if accumulate else out.zero_()
+        if accumulate:
+            return out
+        return out.zero_() if out_perm is None else out.index_fill_(0, out_perm, 0)
     if _torch_masked(a.dtype, *a.shape, b.shape[1]):
         from .masked_mm import masked_mm_reference
 
-        return masked_mm_reference(a, b, keep, out, accumulate, block_m, block_k)
+        return masked_mm_reference(a, b, keep, out, accumulate, block_m, block_k, b_perm, out_perm)
     from .masked_mm import compact
 
-    return _launch("masked_mm", (a, b, *compact(keep), out, bool(accumulate)), a.device, a.dtype, settings,
+    # distinct dummies for an unused index (no tensor object twice in one launch: see _launch)
+    bp = b_perm.to(torch.int32) if b_perm is not None else a.new_empty(1, dtype=torch.int32)  # never read
+    op = out_perm.to(torch.int32) if out_perm is not None else a.new_empty(1, dtype=torch.int32)
+    return _launch("masked_mm", (a, b, *compact(keep), out, bp, op, bool(accumulate), b_perm is not None,
+                                 out_perm is not None), a.device, a.dtype, settings,
                    variant, blocks={"block_m": block_m, "block_k": block_k})
 
 
 def dx_masked(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-              settings: Settings) -> torch.Tensor:
-    """``out (+)= dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py)."""
+              settings: Settings, w_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``out (+)= dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py); with ``w_perm`` the
+    columns of ``dz`` are the rows ``w[w_perm]`` (the filter's vocabulary order, no sorted copy of ``w``)."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings, "")  # the masked_mm entry itself
+    return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings, "", b_perm=w_perm)  # the masked_mm entry
 
 
 def dw_masked(dz: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-              settings: Settings) -> torch.Tensor:
-    """``out (+)= dz.T @ x`` over the kept blocks of ``dz``: the same kernel on the transposed views."""
+              settings: Settings, out_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """``out (+)= dz.T @ x`` over the kept blocks of ``dz``: the same kernel on the transposed views; with
+    ``out_perm`` row ``j`` of ``dz.T @ x`` goes to ``out[out_perm[j]]`` (the shard's own row order)."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings, "dw")  # masked_mm_dw, else masked_mm
+    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings, "dw",
+                      out_perm=out_perm)  # masked_mm_dw, else masked_mm

@@ -14,6 +14,13 @@ benchmarks/NOTES.md). One kernel serves both gradient matmuls:
     dX = dz @ W                          a = dz,   keep,    (BM, BK) = (BN, BV)
     dW = dz.T @ x                        a = dz.T, keep.T,  (BM, BK) = (BV, BN)  (transposed views, no copy)
 
+With ``b_perm`` / ``out_perm`` (int32 ``[K]`` / ``[M]``) the rows of ``b`` / ``out`` are taken through an
+index (a gather of whole rows, coalesced along H): the filter's sorted vocabulary order without a sorted
+copy of the weight shard (``core.VocabOrder``, ``Settings(filter_order="gather")``):
+
+    dX = dz @ W[perm]                    b = W,    b_perm = perm   (row k of the sorted order is W[perm[k]])
+    dW[perm] (+)= dz.T @ x               out = dW, out_perm = perm (the gradient lands in the shard's order)
+
 It accumulates in float32 and stores in ``out``'s dtype, adding to ``out`` when ``accumulate`` (the
 recompute strategy's float32 dX over vocab chunks, the fused strategy's dW over token chunks). The
 block sizes along ``a``'s two dims must be the ones ``keep`` was built with (``block_n``,
@@ -21,7 +28,8 @@ block sizes along ``a``'s two dims must be the ones ``keep`` was built with (``b
 long-tailed softmax makes negligible: a block whose every ``|dL/dz|`` (per unit row weight) is
 below eps (once the vocabulary is ordered by mean logit, ``core.VocabOrder``).
 
-Shapes: a [M, K], b [K, H], kidx [ceil(M/BM), ceil(K/BK)] int32, kcount [ceil(M/BM)] int32, out [M, H].
+Shapes: a [M, K], b [K, H], kidx [ceil(M/BM), ceil(K/BK)] int32, kcount [ceil(M/BM)] int32, out [M, H];
+b_perm [K] / out_perm [M] int32 (or a [1] dummy when ``permute_b`` / ``permute_out`` is False).
 """
 
 from __future__ import annotations
@@ -40,7 +48,11 @@ def masked_mm(
     kidx: torch.Tensor,
     kcount: torch.Tensor,
     out: torch.Tensor,
+    b_perm: torch.Tensor,
+    out_perm: torch.Tensor,
     accumulate: hl.constexpr,
+    permute_b: hl.constexpr,
+    permute_out: hl.constexpr,
     block_m: hl.constexpr,
     block_k: hl.constexpr,
     block_h: hl.constexpr,
@@ -55,11 +67,22 @@ def masked_mm(
             rk = kidx[tile_m.id, j] * block_k + hl.arange(block_k)
             in_k = rk < k
             a_blk = hl.load(a, [tile_m.index, rk], extra_mask=in_m[:, None] & in_k[None, :])
-            b_blk = hl.load(b, [rk, tile_h.index], extra_mask=in_k[:, None] & in_h[None, :])
+            if permute_b:  # row rk of the sorted order is b[b_perm[rk]]
+                rb = hl.load(b_perm, [rk], extra_mask=in_k)
+                b_blk = hl.load(b, [rb, tile_h.index], extra_mask=in_k[:, None] & in_h[None, :])
+            else:
+                b_blk = hl.load(b, [rk, tile_h.index], extra_mask=in_k[:, None] & in_h[None, :])
             acc = hl.dot(a_blk, b_blk, acc=acc)
-        if accumulate:
-            acc = acc + out[tile_m, tile_h].to(torch.float32)
-        out[tile_m, tile_h] = acc.to(out.dtype)
+        if permute_out:  # row m of the sorted order lands in out[out_perm[m]]
+            ro = hl.load(out_perm, [tile_m.index], extra_mask=in_m)
+            both = in_m[:, None] & in_h[None, :]
+            if accumulate:
+                acc = acc + hl.load(out, [ro, tile_h.index], extra_mask=both).to(torch.float32)
+            hl.store(out, [ro, tile_h.index], acc.to(out.dtype), extra_mask=both)
+        else:
+            if accumulate:
+                acc = acc + out[tile_m, tile_h].to(torch.float32)
+            out[tile_m, tile_h] = acc.to(out.dtype)
     return out
 
 
@@ -77,7 +100,14 @@ def expand_keep(keep: torch.Tensor, m: int, k: int, block_m: int, block_k: int) 
 
 
 def masked_mm_reference(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-                        block_m: int, block_k: int) -> torch.Tensor:
-    """The kernel's math in torch: the kept blocks of ``a`` times ``b``, into (or added to) ``out``."""
-    part = torch.mm(torch.where(expand_keep(keep, *a.shape, block_m, block_k), a, torch.zeros_like(a)), b)
-    return out.add_(part) if accumulate else out.copy_(part)
+                        block_m: int, block_k: int, b_perm: torch.Tensor | None = None,
+                        out_perm: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's math in torch: the kept blocks of ``a`` times ``b`` (rows ``b[b_perm]``), into (or
+    added to) ``out`` (rows ``out[out_perm]``)."""
+    bb = b if b_perm is None else b.index_select(0, b_perm)
+    part = torch.mm(torch.where(expand_keep(keep, *a.shape, block_m, block_k), a, torch.zeros_like(a)), bb)
+    if out_perm is None:
+        return out.add_(part) if accumulate else out.copy_(part)
+    if accumulate:
+        part = part + out.index_select(0, out_perm)
+    return out.index_copy_(0, out_perm, part.to(out.dtype))

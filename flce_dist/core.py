@@ -45,8 +45,11 @@ logit (``vocab_order.py``: W[perm], b[perm], targets through inv; no collective)
 (row, vocab tile) max |dz| in the chunk_grad_ pass, build the block mask against eps x the row's
 gradient weight (after the global lse: the same decision under TP), run dX and dW as block-sparse
 Helion matmuls over the kept blocks (``kernels/masked_mm.py``) and return dW, db in the shard's
-own row order. Same collectives and matmul count; memory + one sorted copy of W_r (fused) or of a
-vocab chunk (recompute).
+own row order. Same collectives and matmul count; memory + one sorted copy of W_r (fused,
+``Settings(filter_order="copy")``) or of a vocab chunk (recompute); ``filter_order="gather"``: the
+fused strategy forms each chunk's sorted logits block by block of rows gathered into a buffer of 1/8
+of the chunk budget (``launch.lse_forward_gathered``) and the dX / dW matmuls read W and write dW
+through the order's index (``kernels/masked_mm.py``): no sorted copy, no restore of dW.
 
 Memory: one logits chunk (``chunking.chunk_rows``) plus dX/dW; never [N, V_r].
 
@@ -62,7 +65,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .chunking import chunk_rows
+from .chunking import chunk_rows, gather_rows
 from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
                           reduce_scatter_rows)
 from .distributed.guard import call_guard, raise_if_failed, verdict
@@ -198,10 +201,15 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     n, _ = x.shape
     v = w.shape[0]
     eps = p.options.filter_eps(x.dtype)
-    order = None
+    order = perm = None
     if eps and n:  # the gradient filter works on the shard sorted by mean logit (vocab_order.py)
         order = VocabOrder.by_mean_logit(x, w, b, g.abs())
-        w, b, tl = order.rows(w), order.rows(b), order.targets(tl)
+        if p.settings.filter_order == "gather":  # no sorted copy of W: read and written through perm
+            perm = order.perm32
+            grows = gather_rows(v, w.shape[1] * w.element_size(), x.device, p.settings, share=group_size(group))
+        else:
+            w = order.rows(w)
+        b, tl = order.rows(b), order.targets(tl)
     stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
     dx = torch.empty_like(x) if need_dx else None
     # a 16-bit dW over several token chunks accumulates in float32 (accumulate.py); the filter's
@@ -230,6 +238,8 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         if rs:  # the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
             rc = ref[i:i + rows]
             local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc)
+        elif perm is not None:  # the filter's sorted logits, block by block of gathered rows of W
+            local = K.lse_forward_gathered(xc, w, b, perm, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z, grows)
         elif helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
             local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z)
         else:  # cuBLAS logits, then one read of them for the statistics
@@ -253,7 +263,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         elif eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
             keep = K.chunk_grad_filtered_(z, tc, lse, gc, gc.abs(), eps, **kw)
             if need_dx:
-                K.dx_masked(z, w, keep, dxc, False, p.settings)
+                K.dx_masked(z, w, keep, dxc, False, p.settings, w_perm=perm)
         else:
             K.chunk_grad_(z, tc, lse, gc, **kw)
             if need_dx:
@@ -265,7 +275,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         if not need_dw:
             pass
         elif keep is not None:
-            K.dw_masked(z, xc, keep, dw, i > 0, p.settings)
+            K.dw_masked(z, xc, keep, dw, i > 0, p.settings, out_perm=perm)
         elif acc is not None:
             acc.add(z, xw, i == 0)
         elif i == 0:
@@ -279,7 +289,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         dw = acc.finish()
     if order is not None:  # back to the shard's row order (the sorted copy of W is released first)
         w = b = None
-        dw, db = order.restore(dw), order.restore(db)
+        dw, db = (dw if perm is not None else order.restore(dw)), order.restore(db)
     for h in handles:
         h.wait()
     if need_dx and reduce_dx and p.deterministic and not sp:

@@ -32,6 +32,13 @@ field                  environment default          meaning
                                                     7.5x at 128), ``"float32"`` (always) or ``"native"`` (the
                                                     weight's dtype: no extra memory). float32 costs
                                                     2 bytes x V_local x H beyond the returned dW.
+``filter_order``       (none)                       how the gradient filter (``grad_filter_eps``)
+                                                    reads the shard in its sorted vocabulary order
+                                                    (``vocab_order.py``): ``"copy"`` (a sorted copy
+                                                    of the shard: + |W_r| memory) or ``"gather"``
+                                                    (blocks of rows gathered through the order, dX
+                                                    and dW through the index: + |W_r| / 8 of the
+                                                    chunk budget, ``chunking.gather_rows``)
 =====================  ==========================  ==============================================
 
 Every rank of a tensor-parallel group must use the same settings (the chunk plan sets the number of
@@ -52,6 +59,7 @@ import torch
 LOGITS_BACKENDS = ("helion", "cublas")
 GRAD_FORMS = ("rowscale", "chunk_grad")
 DW_ACCUMULATE = ("auto", "float32", "native")
+FILTER_ORDERS = ("copy", "gather")
 
 
 def _freeze_blocks(blocks: Mapping[str, Mapping[str, int]] | tuple | None) -> tuple:
@@ -70,6 +78,7 @@ class Settings:
     config_dir: str | None = None
     grad_form: str = "rowscale"
     dw_accumulate: str = "auto"
+    filter_order: str = "copy"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", _freeze_blocks(self.blocks))
@@ -81,6 +90,8 @@ class Settings:
             raise ValueError(f"grad_form must be one of {GRAD_FORMS}, got {self.grad_form!r}")
         if self.dw_accumulate not in DW_ACCUMULATE:
             raise ValueError(f"dw_accumulate must be one of {DW_ACCUMULATE}, got {self.dw_accumulate!r}")
+        if self.filter_order not in FILTER_ORDERS:
+            raise ValueError(f"filter_order must be one of {FILTER_ORDERS}, got {self.filter_order!r}")
 
     def block_overrides(self, kernel: str) -> dict[str, int]:
         return dict(next((v for k, v in self.blocks if k == kernel), ()))
@@ -96,7 +107,7 @@ class Settings:
     def astuple(self) -> tuple:
         """Plain values in field order (``Settings(*s.astuple()) == s``)."""
         return (self.chunk_bytes, self.logits_backend, self.blocks, self.config_dir, self.grad_form,
-                self.dw_accumulate)
+                self.dw_accumulate, self.filter_order)
 
     @classmethod
     def from_env(cls) -> "Settings":
@@ -143,7 +154,7 @@ def current() -> Settings:
 def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_bytes: int | None = None,
              fused_logits: str | None = None, logits_backend: str | None = None,
              config_dir: str | None = None, grad_form: str | None = None,
-             dw_accumulate: str | None = None) -> Iterator[Settings]:
+             dw_accumulate: str | None = None, filter_order: str | None = None) -> Iterator[Settings]:
     """Within the block, calls without ``settings=`` use the current settings with these changes
     (``blocks`` merged per kernel; ``fused_logits`` is the older name of ``logits_backend``)."""
     changes: dict[str, Any] = {}
@@ -162,6 +173,8 @@ def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_byt
         changes["grad_form"] = grad_form
     if dw_accumulate is not None:
         changes["dw_accumulate"] = dw_accumulate
+    if filter_order is not None:
+        changes["filter_order"] = filter_order
     new = current().replace(**changes)
     _OVERRIDES.set(_OVERRIDES.get() + (new,))
     _TRACED.stack = getattr(_TRACED, "stack", ()) + (new,)

@@ -12,7 +12,12 @@ which a tokenizer's ids scatter over the whole vocabulary; in id order nearly ev
     inv      = perm's inverse                       shard row -> sorted position
 
 The core runs the filtered path on ``W[perm]`` (and ``b[perm]``, targets mapped through ``inv``) and
-returns the gradients in the shard's own row order. The order only decides which blocks cluster; the
+returns the gradients in the shard's own row order: with ``Settings(filter_order="copy")`` on a sorted
+copy of the shard (+ |W_r| of memory, and dW restored through ``inv``: + |W_r| more at the end); with
+``"gather"`` without one: the fused strategy's logits are formed block by block of the sorted order
+(``kernels.launch.lse_forward_gathered``: each block's rows gathered into a buffer of
+``chunking.gather_rows``), and the block-sparse dX / dW matmuls read W and write dW through ``perm32``
+(``kernels/masked_mm.py``). The order only decides which blocks cluster; the
 loss, dX and the kept blocks' gradient are the same in any order (summation order aside), and the
 error bound of the filter holds in any order. Each rank orders its own shard: no collective.
 """
@@ -28,6 +33,7 @@ import torch
 class VocabOrder:
     perm: torch.Tensor  # [V_r] int64, sorted position -> shard row
     inv: torch.Tensor  # [V_r] int64, shard row -> sorted position
+    perm32: torch.Tensor  # [V_r] int32: ``perm`` for the kernels that read or write through it
 
     @classmethod
     def by_mean_logit(cls, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -40,7 +46,7 @@ class VocabOrder:
         perm = torch.sort(score, descending=True, stable=True).indices
         inv = torch.empty_like(perm)
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
-        return cls(perm, inv)
+        return cls(perm, inv, perm.to(torch.int32))
 
     def rows(self, t: torch.Tensor | None, start: int = 0, end: int | None = None) -> torch.Tensor | None:
         """Rows ``[start, end)`` of the sorted order of ``t`` (``W`` or ``b``): a copy."""

@@ -282,3 +282,93 @@ def test_filter_under_torch_compile(filter_tiles, reduction):
     (lc, gxc, gwc), (le, gxe, gwe), (l0, gx0, gw0) = outs
     assert rel(lc, le) < 1e-6 and rel(gxc, gxe) < 1e-6 and rel(gwc, gwe) < 1e-6
     assert rel(lc, l0) < 1e-6 and rel(gxe, gx0) > 1e-5  # the filter acts (here ~4e-4 in dX)
+
+
+@pytest.fixture
+def gather_tiles():
+    """SMALL_BLOCKS with coarser filter blocks (16 x 32, still several per dim here): reference mode
+    runs a Python step per block, and these tests run the filter a dozen times."""
+    with settings.override(blocks={**BLOCKS, "masked_mm": {"block_n": 16, "block_v": 32, "block_h": 64}}):
+        yield settings.current()
+
+
+def _gather_settings(base, chunk_rows, v, itemsize):
+    """Settings with several token chunks of ``chunk_rows`` rows and (chunking.gather_rows: 1/8 of the
+    budget, at least 64 rows) gathered blocks of 64 sorted rows."""
+    return base.replace(chunk_bytes=chunk_rows * v * itemsize, filter_order="gather")
+
+
+@pytest.mark.parametrize("v, bias, softcap, temperature, z_loss, reduction", [
+    (203, False, 0.0, 1.0, 0.0, "mean"),   # blocks 64, 64, 64, 11
+    (193, True, 0.0, 0.7, 0.0, "sum"),     # 193 = 3 x 64 + 1: the last block of one row takes 8 (56 + 9)
+    (150, False, 20.0, 1.0, 1e-3, "mean"),
+])
+def test_filter_order_gather_matches_copy_and_the_reference(gather_tiles, v, bias, softcap, temperature, z_loss,
+                                                            reduction):
+    """Settings(filter_order="gather"): the fused strategy's filter without a sorted copy of W gives the
+    copy order's loss and gradients, and with a tiny eps the float64 reference's, over several token
+    chunks and several gathered blocks (odd sizes, a bias, a softcap, a temperature, z-loss)."""
+    x, w, t = _inputs(21 + v, v=v)
+    b = torch.randn(v, generator=torch.Generator().manual_seed(v)) if bias else None
+    kw = dict(softcap=softcap or None, temperature=temperature, z_loss=z_loss, reduction=reduction)
+    gather = _gather_settings(gather_tiles, 20, v, 4)
+    blocks = K.gather_bounds(v, 64)
+    assert len(blocks) >= 3 and min(e - s for s, e in blocks) >= 2
+
+    def run(eps, s):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        bs = b.clone().requires_grad_() if b is not None else None
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, bias=bs, grad_filter_eps=eps, strategy="fused",
+                                                    settings=s, **kw)
+        loss.backward()
+        return [loss.detach(), xs.grad, ws.grad] + ([bs.grad] if b is not None else [])
+
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if b is not None else None
+    ref = flce_dist.reference.reference_loss(x64, w64, t, bias=b64, **kw)
+    ref.backward()
+    want = [ref.detach(), x64.grad, w64.grad] + ([b64.grad] if b is not None else [])
+    got = run(1e-30, gather)
+    for g_, r_ in zip(got, want):
+        assert rel(g_.double(), r_) < 1e-5, (rel(g_.double(), r_))
+    for eps in (2e-2,):
+        a, c = run(eps, gather), run(eps, gather.replace(filter_order="copy"))
+        assert rel(a[1], want[1]) > 1e-5  # something was skipped
+        for g_, c_ in zip(a, c):
+            assert rel(g_, c_) < 1e-6
+
+
+def test_filter_order_gather_makes_no_sorted_copy(gather_tiles, monkeypatch):
+    """In gather mode the fused strategy never builds W[perm] nor restores dW through the order: only
+    the bias (a vector) is copied, and W is read 64 rows at a time into one buffer."""
+    from flce_dist.vocab_order import VocabOrder
+
+    x, w, t = _inputs(31, v=203)
+    calls = []
+    rows, restore = VocabOrder.rows, VocabOrder.restore
+    monkeypatch.setattr(VocabOrder, "rows", lambda self, a, *r: calls.append(("rows", a is not None and a.dim())) or
+                        rows(self, a, *r))
+    monkeypatch.setattr(VocabOrder, "restore", lambda self, a: calls.append(("restore", a is not None and a.dim())) or
+                        restore(self, a))
+    gathered = []
+    real = torch.index_select
+
+    def spy(src, dim, index, *, out=None):
+        gathered.append(index.numel())
+        return real(src, dim, index, out=out)
+
+    monkeypatch.setattr(torch, "index_select", spy)
+    s = _gather_settings(gather_tiles, 20, 203, 4)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    flce_dist.fused_linear_cross_entropy(xs, ws, t, grad_filter_eps=1e-3, strategy="fused", settings=s).backward()
+    assert ws.grad.shape == w.shape and bool(torch.isfinite(ws.grad).all())
+    assert calls and all(d in (False, 1) for _, d in calls), calls  # vectors (b, db) or None only, never W / dW
+    assert gathered and max(gathered) == 64 and len(gathered) == 3 * 4, gathered  # 3 token chunks x 4 blocks
+
+
+def test_filter_order_setting_is_checked():
+    with pytest.raises(ValueError, match="filter_order"):
+        settings.Settings(filter_order="sorted")
+    assert settings.Settings(filter_order="gather").astuple()[-1] == "gather"
+    with settings.override(filter_order="gather") as s:
+        assert settings.current().filter_order == "gather" and s.filter_order == "gather"

@@ -268,6 +268,57 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     return merge(*parts, with_sum, with_ent, settings)
 
 
+def gather_bounds(v: int, rows: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of the blocks of ``rows`` rows that cover ``v`` sorted positions; a last block
+    of one row takes 8 from the one before (a size-1 dim takes the torch path; columns stay 8-aligned)."""
+    bounds = [(s, min(v, s + rows)) for s in range(0, v, max(1, rows))]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1 and rows > 8:
+        (s0, _), (_, e) = bounds[-2], bounds[-1]
+        bounds[-2:] = [(s0, e - 9), (e - 9, e)]
+    return bounds
+
+
+def lse_forward_gathered(x: torch.Tensor, w: torch.Tensor, bias_sorted: torch.Tensor | None, perm: torch.Tensor,
+                         target_sorted: torch.Tensor, scale: float, softcap: float, with_sum: bool,
+                         settings: Settings, z_out: torch.Tensor, block_rows: int,
+                         with_ent: bool = False) -> torch.Tensor:
+    """:func:`lse_forward` with ``z_out`` on the rows ``w[perm]`` without a copy of ``w[perm]`` (the
+    gradient filter's sorted order, ``Settings(filter_order="gather")``): ``perm`` [V] (int32 or int64),
+    ``bias_sorted`` = ``bias[perm]``, ``target_sorted`` the targets as sorted positions (-1: none here);
+    column ``j`` of ``z_out`` [N, V] receives the logits of row ``perm[j]``. Per block of ``block_rows``
+    sorted positions (:func:`gather_bounds`)::
+
+        wb = w[perm[s:e]]                       # index_select into one [block_rows, H] buffer
+        Helion logits pass on (x, wb)           # stores z_out[:, s:e], leaves its [T_b, N] partials
+        (cuBLAS logits into z_out[:, s:e] where lse_forward takes cuBLAS: float64, CUDA float32,
+         Settings(logits_backend="cublas"), size-1 dims)
+    then the partials of all blocks are merged in one launch (or ``chunk_stats`` reads the whole
+    ``z_out`` once). Each element is the same dot as :func:`lse_forward`'s (same config); the stats
+    differ by the merge's summation order only. Extra traffic: one read of ``w`` and one write and
+    read of the buffer per call (the gather), against a copy of ``w[perm]`` per loss call."""
+    n, v = x.shape[0], perm.numel()
+    bounds = gather_bounds(v, block_rows)
+    helion = not (degenerate(*x.shape) or cublas_logits(x) or settings.logits_backend == "cublas"
+                  or any(e - s < 2 for s, e in bounds))
+    wbuf = w.new_empty(min(v, max(e - s for s, e in bounds)) if bounds else 0, w.shape[1])
+    ref = x.new_zeros(1, dtype=torch.float32)
+    parts = []
+    for s, e in bounds:
+        wb = torch.index_select(w, 0, perm[s:e], out=wbuf[: e - s])
+        bb = bias_sorted[s:e] if bias_sorted is not None else None
+        zs = z_out[:, s:e]
+        if not helion:
+            logits(x, wb, bb, out=zs)
+            continue
+        parts.append(_launch("lse_forward", (x, wb, bb if bb is not None else w.new_zeros(1), target_sorted - s, zs,
+                                             ref, float(scale), float(softcap), bool(bb is not None), STORE_LOGITS,
+                                             bool(with_sum), bool(with_ent), True),
+                             x.device, x.dtype, settings, "store", x.shape[1]))
+    if not helion or not parts:
+        return chunk_stats(z_out, target_sorted, scale, softcap, with_sum, settings, with_ent)
+    return merge(*(torch.cat(t) for t in zip(*parts)), with_sum, with_ent, settings)
+
+
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,
                 settings: Settings, with_ent: bool = False) -> torch.Tensor:
     """Per-row ``[Nc, 4]`` stats (lse, target logit, sum, max) of a materialised logits chunk ``z``;

@@ -75,6 +75,13 @@ def _impls():
     if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
         # the opt-in gradient filter at CCE's default threshold (2^-12 for 16-bit inputs)
         impls["flce_filter"] = lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
+    if "filter_order" in inspect.signature(rt.override).parameters:
+        # the filter without the sorted copy of the weight shard (Settings(filter_order="gather"))
+        def filter_gather(x, w, t):
+            with rt.override(filter_order="gather"):
+                return flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
+
+        impls["flce_filter_gather"] = filter_gather
     impls["torch"] = lambda x, w, t: F.cross_entropy((x @ w.T).float(), t)
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

@@ -83,6 +83,14 @@ step_benchfilter() {
     | tee "$OUT/bench_filter.log" | tail -${BENCH_TAIL:-30}
 }
 
+# bench.py: the gradient filter with a sorted copy of W vs gathered through the order (filter_order), and exact
+# (BENCH_SHAPES=llama3,qwen3,gemma, BENCH_DATA=random,realistic, BENCH_REPS=8)
+step_gatherab() {
+  timeout 420 python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} \
+    --impls flce,flce_filter,flce_filter_gather --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} \
+    --out "$OUT" 2>&1 | flt | tee "$OUT/gatherab.log" | tail -${BENCH_TAIL:-24}
+}
+
 # bench.py with QuACK (after quack1, quack2; BENCH_SHAPES, BENCH_IMPLS, BENCH_DATA, BENCH_REPS, BENCH_TIMEOUT)
 step_benchquack() {
   timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} \

@@ -230,6 +230,40 @@ def test_grad_filter_on_the_gpu(strategy):
     assert bool(((gw2 - gw0).abs() <= bound_w + 2e-2 * gw0.abs().max()).all())
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_grad_filter_gather_order_on_the_gpu(bias):
+    """Settings(filter_order="gather") compiled for the GPU (the Helion logits pass writing column blocks
+    of the chunk, masked_mm reading W and writing dW through the order): bf16 at an odd shape, 4 token
+    chunks x 17 gathered blocks; a tiny eps gives the float64 reference's gradients, "auto" the copy
+    order's (the same logits, kept blocks and kernels up to the merge's summation order)."""
+    from flce_dist.settings import Settings
+
+    x, w, t = _case(2, 1000, 1000, 32003, torch.bfloat16, seed=9)
+    w = w * 8
+    b = (torch.randn(32003, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+         .to(torch.bfloat16) if bias else None)
+    gather = Settings(chunk_bytes=512 * 32003 * 2, filter_order="gather")
+
+    def run(eps, s, dtype=None):
+        xs, ws = x.clone().to(dtype or x.dtype).requires_grad_(), w.clone().to(dtype or w.dtype).requires_grad_()
+        bs = b.clone().to(dtype or b.dtype).requires_grad_() if b is not None else None
+        if dtype == torch.float64:
+            loss = reference_loss(xs, ws, t.reshape(-1), bias=bs)
+        else:
+            loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, bias=bs, strategy="fused", grad_filter_eps=eps,
+                                                        settings=s)
+        loss.backward()
+        return [loss.detach().double(), xs.grad.double(), ws.grad.double()] + ([bs.grad.double()] if bias else [])
+
+    want = run(None, None, torch.float64)
+    for got, r in zip(run(1e-30, gather), want):  # bf16 logits of peaked softmaxes: ~1-2% of a gradient
+        assert rel(got, r) <= 3e-2
+    a, c = run("auto", gather), run("auto", gather.replace(filter_order="copy"))
+    assert abs(float(a[0]) - float(c[0])) <= 1e-5 * abs(float(c[0]))
+    for got, r in zip(a[1:], c[1:]):
+        assert rel(got, r) <= 1e-2
+
+
 @pytest.mark.parametrize("shape", [(423, 10007), (2816, 128256), (5, 3)])
 @pytest.mark.parametrize("softcap, with_sum, with_ent", [(0.0, False, False), (30.0, True, True)])
 def test_chunk_stats_kernel_matches_float64(shape, softcap, with_sum, with_ent):

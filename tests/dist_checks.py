@@ -160,33 +160,38 @@ def entropy_case(ck, dev, group, *, n, h, v, dtype, sp, bias, use="both", seed=3
         ck.close(f"{name}: db shard", bs.grad, br.grad[s:e], gt)
 
 
-def filter_case(ck, dev, group, *, n, h, v, dtype, strategy, eps=5e-2, seed=9):
+def filter_case(ck, dev, group, *, n, h, v, dtype, strategy, eps=5e-2, seed=9, orders=("copy",)):
     """grad_filter_eps under TP (uneven V): the mask is built after the global lse, so the loss is
     the exact one (up to summation order: each shard is sorted by mean logit) and each gradient entry moves by at most the documented bound:
-    |dX err| <= eps * g_n * sum_v |W_vh|, |dW err| <= eps * sum_n g_n |x_nh| (g: the mean's weights)."""
+    |dX err| <= eps * g_n * sum_v |W_vh|, |dW err| <= eps * sum_n g_n |x_nh| (g: the mean's weights).
+    ``orders``: the ``Settings.filter_order`` values to run ("gather": no sorted copy of the shard)."""
     p, r = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, h, generator=g)
     w = torch.randn(v, h, generator=g) * h**-0.5 * 10
     t = torch.randint(0, v, (n,), generator=g)
     s, e = vocab_shard(v, r, p)
-    name = f"grad filter P={p} {dtype} {strategy} eps={eps} n={n} v={v}"
-    outs = []
-    for f in (None, eps):
+
+    def run(f, order="copy"):
         xs = x.to(dev, dtype).clone().requires_grad_()
         ws = w[s:e].to(dev, dtype).clone().requires_grad_()
-        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t.to(dev), group=group, strategy=strategy, grad_filter_eps=f)
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t.to(dev), group=group, strategy=strategy, grad_filter_eps=f,
+                                                    settings=settings.current().replace(filter_order=order))
         loss.backward()
-        outs.append((loss.detach().cpu(), xs.grad.cpu().float(), ws.grad.cpu().float()))
-    (l0, gx0, gw0), (l1, gx1, gw1) = outs
-    # the filter runs on each shard sorted by mean logit: the same loss up to summation order
-    ck.true(f"{name}: loss unchanged", abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0)))
-    ck.true(f"{name}: something was skipped", float((gx1 - gx0).abs().max()) > 0)
-    gr = 1.0 / n
-    bx = eps * gr * w.abs().sum(0)[None, :]
-    bw = eps * gr * x.abs().sum(0)[None, :]
-    ck.true(f"{name}: dX within the bound", bool(((gx1 - gx0).abs() <= bx * 1.01 + 1e-6).all()))
-    ck.true(f"{name}: dW shard within the bound", bool(((gw1 - gw0).abs() <= bw * 1.01 + 1e-6).all()))
+        return loss.detach().cpu(), xs.grad.cpu().float(), ws.grad.cpu().float()
+
+    l0, gx0, gw0 = run(None)
+    for order in orders:
+        name = f"grad filter P={p} {dtype} {strategy} {order} eps={eps} n={n} v={v}"
+        l1, gx1, gw1 = run(eps, order)
+        # the filter runs on each shard sorted by mean logit: the same loss up to summation order
+        ck.true(f"{name}: loss unchanged", abs(float(l0) - float(l1)) <= 1e-6 * abs(float(l0)))
+        ck.true(f"{name}: something was skipped", float((gx1 - gx0).abs().max()) > 0)
+        gr = 1.0 / n
+        bx = eps * gr * w.abs().sum(0)[None, :]
+        bw = eps * gr * x.abs().sum(0)[None, :]
+        ck.true(f"{name}: dX within the bound", bool(((gx1 - gx0).abs() <= bx * 1.01 + 1e-6).all()))
+        ck.true(f"{name}: dW shard within the bound", bool(((gw1 - gw0).abs() <= bw * 1.01 + 1e-6).all()))
 
 
 def determinism(ck, dev, group, dtype):
@@ -402,8 +407,9 @@ def main():
     ap.add_argument("--device", choices=["auto", "cuda-shared"], default="auto",
                     help="cuda-shared (with --backend gloo): every rank on cuda:0, a testing mode that runs the CUDA "
                          "code paths of P > 1 on one GPU (gloo moves CUDA tensors through the host)")
-    ap.add_argument("--only", choices=["all", "entropy"], default="all",
-                    help="entropy: only the log-prob/entropy cases and the guard cases")
+    ap.add_argument("--only", choices=["all", "entropy", "filter"], default="all",
+                    help="entropy: only the log-prob/entropy cases and the guard cases; filter: only the "
+                         "gradient filter's cases (a quick check by hand)")
     args = ap.parse_args()
     dist.init_process_group(args.backend)
     group = dist.group.WORLD
@@ -474,16 +480,20 @@ def main():
                          bias=True, sp=False, deterministic=True)
                     case(ck, dev, group, n=4 * p, h=24, v=odd_v, dtype=dtypes[0], strategy=strategy, reduction="none",
                          bias=False, sp=True, deterministic=True)
-            for strategy in ("fused",) if args.quick else ("fused", "recompute"):  # the opt-in gradient filter
-                filter_case(ck, dev, group, n=8 * p, h=24, v=40 * p + 3, dtype=dtypes[0], strategy=strategy)
+            filters = ("fused",) if args.quick else ("fused", "recompute")
+            for strategy in filters if args.only != "entropy" else ():  # the opt-in gradient filter
+                filter_case(ck, dev, group, n=8 * p, h=24, v=40 * p + 3, dtype=dtypes[0], strategy=strategy,
+                            orders=("copy", "gather") if strategy == "fused" else ("copy",))
             # per-token log-probs and entropy with gradients (issue 16), uneven V, with and without SP
-            for dtype in dtypes:
+            for dtype in dtypes if args.only != "filter" else []:
                 for use in ("both",) if args.quick else ("both", "logp", "entropy"):
                     entropy_case(ck, dev, group, n=6 * p, h=24, v=odd_v, dtype=dtype, sp=False, bias=use == "both",
                                  use=use, temperature=0.7)
                 entropy_case(ck, dev, group, n=5 * p, h=20, v=odd_v, dtype=dtype, sp=True, bias=False,
                              temperature=1.3, softcap=3.0)
-            if cuda:
+            if args.only == "filter":
+                pass
+            elif cuda:
                 for dtype in dtypes:
                     entropy_case(ck, dev, group, n=2 * 512, h=1024, v=32001, dtype=dtype, sp=True, bias=False,
                                  temperature=0.7)
@@ -496,7 +506,8 @@ def main():
                 compiled(ck, dev, group, dtypes[0])
                 module_and_errors(ck, dev, group)
                 dropped_group_is_freed(ck, dev, group)
-            guards(ck, dev, group, raises=not poison)
+            if args.only != "filter":
+                guards(ck, dev, group, raises=not poison)
             if args.big and cuda:
                 big_memory(ck, dev, group)
     except Exception:  # noqa: BLE001

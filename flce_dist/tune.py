@@ -85,17 +85,18 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
     searched kernel; the args match what kernels/launch.py passes (int32 local targets)."""
     rows, store_rows = z.shape[0], zs.shape[0]
     dummy = lse.new_zeros(1)  # the [1] ref of a pass that stores no exponentials
+    perm = t.new_zeros(1)  # the [1] w_perm of a pass in the shard's own order
     ref = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     lse_cands, store_cands = CANDIDATE_SETS[candidates]
     return [
-        # (x, w, bias, target_local, z_out, ref, scale, softcap, has_bias, store, with_sum, with_ent,
-        # with_tgt): as launch.lse_forward on sm_90 (target logits from target_dot); the store pass as the
+        # (x, w, bias, target_local, z_out, ref, w_perm, scale, softcap, has_bias, store, with_sum, with_ent,
+        # with_tgt, permute_w): as launch.lse_forward on sm_90 (target logits from target_dot); the store pass as the
         # row-scale gradient runs it (exponentials, rowscale.py)
-        ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), dummy, 1.0, 0.0, False,
-                                               STORE_NONE, False, False, False), lse_cands, "lse_forward", mm),
+        ("lse_forward", lse_forward_partials, (x, w, w.new_zeros(1), t, x.new_empty(1, 1), dummy, perm, 1.0, 0.0,
+                                               False, STORE_NONE, False, False, False, False), lse_cands, "lse_forward", mm),
         ("lse_forward_store", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs,
-                                                     ref[:store_rows], 1.0, 0.0, False, STORE_EXP, False, False,
-                                                     False),
+                                                     ref[:store_rows], perm, 1.0, 0.0, False, STORE_EXP, False,
+                                                     False, False, False),
          store_cands, "lse_forward", smm),
         ("chunk_stats", chunk_stats_partials, (z, 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
         ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),

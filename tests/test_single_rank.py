@@ -862,9 +862,9 @@ def test_target_dot_and_the_pass_without_targets(softcap):
             continue  # the row-scale form runs without a softcap (rowscale.py)
         za, zb = (torch.empty(n, v), torch.empty(n, v)) if store else (x.new_zeros(1, 1), x.new_zeros(1, 1))
         ref = r if store == launch.STORE_EXP else x.new_zeros(1)
-        tail = (ref, 0.75, softcap, False, store, False, False)
-        pa = lse_forward_partials(x, w, w.new_zeros(1), t, za, *tail, True, *blocks)
-        pb = lse_forward_partials(x, w, w.new_zeros(1), t, zb, *tail, False, *blocks)
+        tail = (ref, t.new_zeros(1), 0.75, softcap, False, store, False, False)
+        pa = lse_forward_partials(x, w, w.new_zeros(1), t, za, *tail, True, False, *blocks)
+        pb = lse_forward_partials(x, w, w.new_zeros(1), t, zb, *tail, False, False, *blocks)
         assert torch.equal(pa[0], pb[0]) and torch.equal(pa[1], pb[1]) and torch.equal(za, zb), store
         assert pa[2].shape[0] == 3 and pb[2].shape == (1, n)
         torch.testing.assert_close(got[0], pa[2].sum(0), rtol=1e-5, atol=1e-5)  # the pass's own target logits

@@ -226,12 +226,16 @@ def cublas_logits(x: torch.Tensor) -> bool:
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, settings: Settings,
                 z_out: torch.Tensor | None = None, with_ent: bool = False,
-                exp_ref: torch.Tensor | None = None) -> torch.Tensor:
+                exp_ref: torch.Tensor | None = None, w_perm: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
     (float64 for float64), ``[N, 5]`` with ``with_ent`` (plus the shard's softmax entropy); the logits
     are written to ``z_out`` [N, V] when given (the fused strategy), else never stored. With
     ``exp_ref`` [N] (float32) ``z_out`` receives ``exp(y - exp_ref)`` instead of the logits (the
-    row-scale gradient, ``rowscale.py``)."""
+    row-scale gradient, ``rowscale.py``). With ``w_perm`` [V] (int32) the pass runs on the rows
+    ``w[w_perm]``, read through the index (no copy; ``bias`` and ``target_local`` in that order)."""
+    if w_perm is not None and (degenerate(*x.shape, w_perm.numel()) or cublas_logits(x)
+                               or settings.logits_backend == "cublas"):
+        w, w_perm = w.index_select(0, w_perm), None  # the torch paths take a copy (lse_forward_gathered: by blocks)
     store = STORE_EXP if exp_ref is not None else (STORE_LOGITS if z_out is not None else STORE_NONE)
     if degenerate(*x.shape, w.shape[0]) or cublas_logits(x) or settings.logits_backend == "cublas":
         # size-1 dims (Helion 1.4 bug), float64, CUDA float32 and Settings(logits_backend="cublas"):
@@ -257,12 +261,17 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     # without a compare per element); elsewhere (other GPUs, reference mode) the pass finds them itself
     nt = bias is None and arch_of(x.device) == "h200"
     variant = "store" if z_out is not None else ""
-    parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, float(scale), float(softcap),
-                                    bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt),
+    perm = w_perm.to(torch.int32) if w_perm is not None else target_local.new_zeros(1, dtype=torch.int32)
+    parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, perm, float(scale), float(softcap),
+                                    bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt,
+                                    w_perm is not None),
                     x.device, x.dtype, settings, variant, x.shape[1])
     if nt:
         block_h = entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"]
-        ptgt = _launch("target_dot", (x, w, target_local, float(scale), float(softcap)), x.device, x.dtype,
+        rows = target_local  # target_dot gathers the targets' rows of w: in w's own order
+        if w_perm is not None:
+            rows = torch.where(target_local >= 0, perm[target_local.clamp(min=0).long()], target_local)
+        ptgt = _launch("target_dot", (x, w, rows, float(scale), float(softcap)), x.device, x.dtype,
                        settings, blocks={"block_h": block_h})
         parts = (parts[0], parts[1], ptgt, parts[3], parts[4])
     return merge(*parts, with_sum, with_ent, settings)
@@ -283,40 +292,28 @@ def lse_forward_gathered(x: torch.Tensor, w: torch.Tensor, bias_sorted: torch.Te
                          settings: Settings, z_out: torch.Tensor, block_rows: int,
                          with_ent: bool = False) -> torch.Tensor:
     """:func:`lse_forward` with ``z_out`` on the rows ``w[perm]`` without a copy of ``w[perm]`` (the
-    gradient filter's sorted order, ``Settings(filter_order="gather")``): ``perm`` [V] (int32 or int64),
+    gradient filter's sorted order, ``Settings(filter_order="gather")``): ``perm`` [V] (int32),
     ``bias_sorted`` = ``bias[perm]``, ``target_sorted`` the targets as sorted positions (-1: none here);
-    column ``j`` of ``z_out`` [N, V] receives the logits of row ``perm[j]``. Per block of ``block_rows``
-    sorted positions (:func:`gather_bounds`)::
+    column ``j`` of ``z_out`` [N, V] receives the logits of row ``perm[j]``.
+
+    Helion logits: one pass that loads W's tiles through ``perm`` (``lse_forward_partials``'
+    ``permute_w``): no extra traffic. Where the forward takes cuBLAS (float64, CUDA float32,
+    ``Settings(logits_backend="cublas")``, size-1 dims), block by block of ``block_rows`` sorted
+    positions (:func:`gather_bounds`)::
 
         wb = w[perm[s:e]]                       # index_select into one [block_rows, H] buffer
-        Helion logits pass on (x, wb)           # stores z_out[:, s:e], leaves its [T_b, N] partials
-        (cuBLAS logits into z_out[:, s:e] where lse_forward takes cuBLAS: float64, CUDA float32,
-         Settings(logits_backend="cublas"), size-1 dims)
-    then the partials of all blocks are merged in one launch (or ``chunk_stats`` reads the whole
-    ``z_out`` once). Each element is the same dot as :func:`lse_forward`'s (same config); the stats
-    differ by the merge's summation order only. Extra traffic: one read of ``w`` and one write and
-    read of the buffer per call (the gather), against a copy of ``w[perm]`` per loss call."""
-    n, v = x.shape[0], perm.numel()
+        z_out[:, s:e] = x @ wb.T (+ b)          # cuBLAS, into the column block
+    then one ``chunk_stats`` over ``z_out``."""
+    v = perm.numel()
+    if not (degenerate(*x.shape, v) or cublas_logits(x) or settings.logits_backend == "cublas"):
+        return lse_forward(x, w, bias_sorted, target_sorted, scale, softcap, with_sum, settings, z_out=z_out,
+                           with_ent=with_ent, w_perm=perm)
     bounds = gather_bounds(v, block_rows)
-    helion = not (degenerate(*x.shape) or cublas_logits(x) or settings.logits_backend == "cublas"
-                  or any(e - s < 2 for s, e in bounds))
-    wbuf = w.new_empty(min(v, max(e - s for s, e in bounds)) if bounds else 0, w.shape[1])
-    ref = x.new_zeros(1, dtype=torch.float32)
-    parts = []
+    wbuf = w.new_empty(max((e - s for s, e in bounds), default=0), w.shape[1])
     for s, e in bounds:
         wb = torch.index_select(w, 0, perm[s:e], out=wbuf[: e - s])
-        bb = bias_sorted[s:e] if bias_sorted is not None else None
-        zs = z_out[:, s:e]
-        if not helion:
-            logits(x, wb, bb, out=zs)
-            continue
-        parts.append(_launch("lse_forward", (x, wb, bb if bb is not None else w.new_zeros(1), target_sorted - s, zs,
-                                             ref, float(scale), float(softcap), bool(bb is not None), STORE_LOGITS,
-                                             bool(with_sum), bool(with_ent), True),
-                             x.device, x.dtype, settings, "store", x.shape[1]))
-    if not helion or not parts:
-        return chunk_stats(z_out, target_sorted, scale, softcap, with_sum, settings, with_ent)
-    return merge(*(torch.cat(t) for t in zip(*parts)), with_sum, with_ent, settings)
+        logits(x, wb, bias_sorted[s:e] if bias_sorted is not None else None, out=z_out[:, s:e])
+    return chunk_stats(z_out, target_sorted, scale, softcap, with_sum, settings, with_ent)
 
 
 def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,

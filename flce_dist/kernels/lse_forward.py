@@ -29,7 +29,12 @@ into the shard's logsumexp, target logit and (with entropy) the shard's softmax 
 distribution's small entropy is not the difference of two large numbers. A grid over token tiles only gives N/BN programs
 (64 at N=8192) for 132 SMs; this grid keeps the matmul's parallelism (measured on the H200: 1.05x cuBLAS, benchmarks/NOTES.md).
 
-Shapes: x [N, H], w [V, H], bias [V] (or a [1] dummy with ``has_bias=False``),
+With ``permute_w`` the pass runs on the rows ``w[w_perm]`` without a copy of them (``w_perm`` [V] int32:
+the gradient filter's vocabulary order, ``Settings(filter_order="gather")``): each W tile is loaded
+through the index (a gather of whole rows, coalesced along H; pointer loads where the plain pass may use
+TMA), and bias, targets, ``z_out`` and the partials are in the sorted order.
+
+Shapes: x [N, H], w [V, H] (V = len(w_perm) with ``permute_w``; else w_perm is a [1] dummy), bias [V] (or a [1] dummy with ``has_bias=False``),
 target_local [N] int32 (-1 where the target is ignored or outside the shard), z_out [N, V] in x's
 dtype (or a [1, 1] dummy with store == 0), ref [N] float32 (a [1] dummy unless store == 2); ptgt is
 one unwritten row without ``with_tgt``.
@@ -57,6 +62,7 @@ def lse_forward_partials(
     target_local: torch.Tensor,
     z_out: torch.Tensor,
     ref: torch.Tensor,
+    w_perm: torch.Tensor,
     scale: float,
     softcap: hl.constexpr,
     has_bias: hl.constexpr,
@@ -64,12 +70,13 @@ def lse_forward_partials(
     with_sum: hl.constexpr,
     with_ent: hl.constexpr,
     with_tgt: hl.constexpr,
+    permute_w: hl.constexpr,
     block_n: hl.constexpr,
     block_v: hl.constexpr,
     block_h: hl.constexpr,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, h = x.size()
-    v = w.size(0)
+    v = w_perm.size(0) if permute_w else w.size(0)
     n_vt = (v + block_v - 1) // block_v
     pmax = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
     psum = torch.empty([n_vt, n], dtype=torch.float32, device=x.device)
@@ -78,8 +85,13 @@ def lse_forward_partials(
     pent = torch.empty([n_vt if with_ent else 1, n], dtype=torch.float32, device=x.device)
     for tile_v, tile_n in hl.tile([v, n], block_size=[block_v, block_n]):
         acc = hl.zeros([tile_n, tile_v], dtype=torch.float32)
-        for tile_h in hl.tile(h, block_size=block_h):
-            acc = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=acc)
+        if permute_w:  # column j of this pass is row w_perm[j] of w (the gradient filter's sorted order)
+            rows = w_perm[tile_v]
+            for tile_h in hl.tile(h, block_size=block_h):
+                acc = hl.dot(x[tile_n, tile_h], w[rows, tile_h].T, acc=acc)
+        else:
+            for tile_h in hl.tile(h, block_size=block_h):
+                acc = hl.dot(x[tile_n, tile_h], w[tile_v, tile_h].T, acc=acc)
         if has_bias:
             acc = acc + bias[tile_v].to(torch.float32)[None, :]
         zq = acc.to(x.dtype)

@@ -474,7 +474,8 @@ def test_target_dot_matches_the_logits_pass_bitwise(n, h, v, data, store, softca
     z = torch.empty(n, v, device="cuda", dtype=torch.bfloat16) if code != launch.STORE_NONE else x.new_zeros(1, 1)
     variant = "store" if code != launch.STORE_NONE else ""
     parts = launch._launch("lse_forward", (x, w, w.new_zeros(1), tl, z, r if r is not None else x.new_zeros(1, dtype=torch.float32),
-                                           1.0, softcap, False, code, False, False, True), x.device, x.dtype, s, variant, h)
+                                           tl.new_zeros(1), 1.0, softcap, False, code, False, False, True, False),
+                           x.device, x.dtype, s, variant, h)
     block_h = launch.entry("lse_forward", x.device, x.dtype, variant, h, s)["block"]["block_h"]
     yt = launch._launch("target_dot", (x, w, tl, 1.0, softcap), x.device, x.dtype, s, blocks={"block_h": block_h})
     pass_t = parts[2].sum(0)

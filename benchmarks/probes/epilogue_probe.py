@@ -222,6 +222,13 @@ def target_rows_dot(x: torch.Tensor, w: torch.Tensor, tl: torch.Tensor, scale: f
                           blocks={"block_h": block_h, "block_n": block_n})
 
 
+def _old(full: tuple) -> tuple:
+    """The shipped kernel's arguments without ``w_perm`` (index 6) and ``permute_w`` (index 14), which
+    ``lse_forward_partials`` gained after this probe (the filter's gather order): ``probe_partials``' own."""
+    assert not full[14], "epilogue_probe: the gather order (permute_w) is not probed"
+    return (*full[:6], *full[7:14], *full[15:])
+
+
 class _Variant:
     """Stands in for the shipped kernel in ``launch._kernels()``: binds ``probe_partials`` with one
     more constexpr (``part``) after the shipped arguments."""
@@ -231,7 +238,7 @@ class _Variant:
         self._bound: dict[int, _Bound] = {}
 
     def bind(self, full: tuple) -> "_Bound":
-        b = probe_partials.bind((*full, self.part))
+        b = probe_partials.bind((*_old(full), self.part))
         return self._bound.setdefault(id(b), _Bound(b, self.part))
 
 
@@ -243,6 +250,7 @@ class _Bound:
         self.b.set_config(cfg)
 
     def __call__(self, *full):
+        full = _old(full)
         out = self.b(*full, self.part)
         if self.part == 9:  # the target logits from their own launch: a one-row ptgt (launch.merge sums it)
             x, w, _, tl, *_rest = full

@@ -39,7 +39,8 @@ def main() -> None:
     call = lambda: launch.lse_forward(x, w, None, t, 1.0, 0.0, False, s, z_out=z, exp_ref=r)  # noqa: E731
     call()
     kernel_only = tune._run(launch._kernels()["lse_forward"],  # the same entry, bound and configured explicitly
-                            (x, w, w.new_zeros(1), t, z, r, 1.0, 0.0, False, launch.STORE_EXP, False, False, False),
+                            (x, w, w.new_zeros(1), t, z, r, t.new_zeros(1), 1.0, 0.0, False, launch.STORE_EXP,
+                             False, False, False, False),
                             launch.entry("lse_forward", x.device, x.dtype, "store", a.h, s), launch.BLOCK_ORDER["lse_forward"])
     mm = cuda_steady_ms(lambda: torch.mm(x, w.T, out=z), 10)
     api = cuda_steady_ms(call, 10)

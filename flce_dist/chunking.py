@@ -30,8 +30,9 @@ def chunk_budget(device: torch.device, settings: Settings, share: int = 1, reser
 
 
 def gather_rows(v: int, row_bytes: int, device: torch.device, settings: Settings, share: int = 1) -> int:
-    """Rows of the weight shard per gathered block (``Settings(filter_order="gather")``: the gradient
-    filter's sorted vocabulary order read block by block, no sorted copy of the whole shard): 1/8 of the
+    """Rows of the weight shard per gathered block (``Settings(filter_order="gather")`` where the logits
+    come from cuBLAS: the gradient filter's sorted order read block by block, no sorted copy of the whole
+    shard; the Helion pass reads W through the order and needs no block): 1/8 of the
     chunk budget, a multiple of 64 rows, at least 64, at most ``v``. At llama3 (H = 4096, bf16, the CUDA
     budget) 15,360 rows = 120 MiB: 9 blocks per token chunk; under TP both the budget and the shard are 1/P."""
     rows = chunk_budget(device, settings, share) // GATHER_SHARE // max(1, row_bytes)

@@ -47,9 +47,9 @@ gradient weight (after the global lse: the same decision under TP), run dX and d
 Helion matmuls over the kept blocks (``kernels/masked_mm.py``) and return dW, db in the shard's
 own row order. Same collectives and matmul count; memory + one sorted copy of W_r (fused,
 ``Settings(filter_order="copy")``) or of a vocab chunk (recompute); ``filter_order="gather"``: the
-fused strategy forms each chunk's sorted logits block by block of rows gathered into a buffer of 1/8
-of the chunk budget (``launch.lse_forward_gathered``) and the dX / dW matmuls read W and write dW
-through the order's index (``kernels/masked_mm.py``): no sorted copy, no restore of dW.
+fused strategy's logits pass loads W's tiles through the order (``launch.lse_forward_gathered``;
+cuBLAS logits: blocks of rows gathered into a buffer of 1/8 of the chunk budget) and the dX / dW
+matmuls read W and write dW through it (``kernels/masked_mm.py``): no sorted copy, no restore of dW.
 
 Memory: one logits chunk (``chunking.chunk_rows``) plus dX/dW; never [N, V_r].
 

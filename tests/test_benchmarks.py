@@ -306,7 +306,7 @@ def test_epilogue_probe_parts_and_three_matmuls():
     common = (x, w, w.new_zeros(1), t)
     tail = (r, 1.0, 0.0, False, launch.STORE_EXP, False, False, True, 16, 128, 8)
     z_ship, z5, z4 = (torch.full((n, v), float("nan")) for _ in range(3))
-    ship = lse_forward_partials(*common, z_ship, *tail)
+    ship = lse_forward_partials(*common, z_ship, r, t.new_zeros(1), *tail[1:8], False, *tail[8:])  # + w_perm, permute_w
     for part in (5, 7, 8):  # the shipped epilogue, and two cheaper forms of it that must agree bit for bit
         z5.fill_(float("nan"))
         p5 = ep.probe_partials(*common, z5, *tail, part)

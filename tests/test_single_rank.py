@@ -132,7 +132,7 @@ def test_kernels_run_tiled_and_chunked(small_tiles, monkeypatch, request, strate
     def spy(name, args, device, dtype, settings, variant="", h=None, blocks=None):
         launches.append((name, tuple(args[0].shape), launch.entry(name, device, dtype, variant, h, settings)["block"]))
         if name == "lse_forward":
-            stores.append(args[9])  # the store mode
+            stores.append(args[10])  # the store mode (after x, w, bias, target, z_out, ref, w_perm, scale, softcap, has_bias)
         return orig(name, args, device, dtype, settings, variant, h, blocks)
 
     monkeypatch.setattr(launch, "_launch", spy)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Callable
@@ -45,7 +46,7 @@ def add_case_args(ap: argparse.ArgumentParser, *, shapes: str | None = DEFAULT_S
     data-mode options (``data.add_data_args``) and ``--out`` (``out=False``: none). ``helps``: help
     texts by option name, for a script whose defaults depend on other options."""
     helps = helps or {}
-    ap.add_argument("--shapes", default=shapes, help=helps.get("shapes", f"comma list from {list(SHAPES)}"))
+    ap.add_argument("--shapes", default=shapes, help=helps.get("shapes", f"comma list from {list(SHAPES)} or <H>x<V> (e.g. 4096x32000)"))
     ap.add_argument("--n", type=int, default=n, help=helps.get("n", "tokens"))
     if timed:
         ap.add_argument("--reps", type=int, default=reps, help=helps.get("reps", "timed calls per row (median)"))
@@ -59,7 +60,7 @@ def check_case_args(ap: argparse.ArgumentParser, args: argparse.Namespace,
     """Split ``--data`` into a list and refuse unknown data modes and shapes (``ap.error``: exit 2);
     ``table``: the shapes by name (default ``_timing.SHAPES``)."""
     data.check_data_args(ap, args)
-    table = SHAPES if table is None else table
+    table = with_literal_shapes(args.shapes, SHAPES if table is None else table)
     bad = [s for s in args.shapes.split(",") if s not in table]
     if bad:
         ap.error(f"--shapes: unknown {bad} (choose from {list(table)})")
@@ -67,7 +68,16 @@ def check_case_args(ap: argparse.ArgumentParser, args: argparse.Namespace,
 
 def cases(args: argparse.Namespace, table: dict[str, tuple[int, int]] | None = None) -> list[tuple[str, str, int, int]]:
     """``(shape name, data mode, H, V)`` in run order for the parsed case options (``data.cases``)."""
-    return data.cases(args.shapes, args.data, SHAPES if table is None else table, args.fixture)
+    return data.cases(args.shapes, args.data, with_literal_shapes(args.shapes, SHAPES if table is None else table),
+                      args.fixture)
+
+
+def with_literal_shapes(shapes: str, table: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """``table`` plus every ``<H>x<V>`` entry of the comma list ``shapes`` (e.g. ``4096x32000``, the
+    shapes of issue 30's table that have no model name)."""
+    lit = {s: (int(s.split("x")[0]), int(s.split("x")[1])) for s in shapes.split(",")
+           if re.fullmatch(r"[1-9]\d*x[1-9]\d*", s)}
+    return {**table, **lit}
 
 
 def csv_suffix(modes: list[str]) -> str:

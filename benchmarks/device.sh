@@ -91,6 +91,16 @@ step_gatherab() {
     --out "$OUT" 2>&1 | flt | tee "$OUT/gatherab.log" | tail -${BENCH_TAIL:-24}
 }
 
+# issue 30's table: bench.py at its shapes, one process per token count, every peer (ISSUE_IMPLS, BENCH_REPS=5,
+# ISSUE_RUNS="N:shapes ..."; the RL token counts at qwen3, the literal H x V shapes of the issue's table)
+step_benchissue() {
+  for run in ${ISSUE_RUNS:-4096:4096x32000 1024:qwen3 2048:qwen3 32768:4096x32000 32768:qwen3}; do
+    timeout ${ISSUE_TIMEOUT:-200} python3 benchmarks/bench.py --n "${run%%:*}" --shapes "${run#*:}" \
+      --impls ${ISSUE_IMPLS:-flce,flce_filter,liger,liger_c16,cce,cce_exact,torch,torch_lce} --data ${BENCH_DATA:-random,realistic} \
+      --reps ${BENCH_REPS:-5} --out "$OUT" 2>&1 | flt | tee "$OUT/benchissue_${run%%:*}_${run#*:}.log" | tail -${BENCH_TAIL:-22}
+  done
+}
+
 # bench.py with QuACK (after quack1, quack2; BENCH_SHAPES, BENCH_IMPLS, BENCH_DATA, BENCH_REPS, BENCH_TIMEOUT)
 step_benchquack() {
   timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} \
@@ -238,6 +248,13 @@ step_tune() {
 step_tunestore() {
   timeout 360 python3 -m flce_dist.tune --only lse_forward_store --out "$CFG" 2>&1 | flt | tee "$OUT/tune_store.log" \
     | tail -14
+  keep_config
+}
+
+# the tuner on the gather order's storing pass only (lse_forward_store_gather: W through an index), llama3's chunk
+step_tunegather() {
+  timeout ${TUNE_TIMEOUT:-300} python3 -m flce_dist.tune --only lse_forward_store_gather --rows ${TUNE_ROWS:-2816} \
+    2>&1 | flt | tee "$OUT/tune_gather.log" | tail -${TUNE_TAIL:-12}
   keep_config
 }
 
@@ -412,6 +429,19 @@ step_quack2() {
     && sha256sum -c cu12.sha256 && rm -f cu12.whl.part* \
     && python3 -m pip install -q --no-deps --no-index --target /tmp/site-packages /tmp/qk/*.whl) 2>&1 | tail -2
   export PYTHONPATH=/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-$PWD}
+}
+
+# issue 30's host cost per tree (AB_TREES=".old ."): fixed_cost.py (FIXED_NS=1024,4096, FIXED_SHAPES=4096x32000,
+# FIXED_REPS=20), then host_profile.py on this tree only (HOST_CASES=1024x4096x32000)
+step_hostab() {
+  for tree in ${AB_TREES:-.old .}; do
+    echo "=== tree $(tree_tag "$tree")"
+    PYTHONPATH="$tree:${PYTHONPATH:-}" timeout ${FIXED_TIMEOUT:-150} python3 benchmarks/probes/fixed_cost.py \
+      --ns ${FIXED_NS:-1024,4096} --shapes ${FIXED_SHAPES:-4096x32000} --reps ${FIXED_REPS:-20} \
+      --out "$OUT/fixed_$(tree_tag "$tree")" 2>&1 | flt | tail -${FIXED_TAIL:-14}
+  done 2>&1 | tee "$OUT/hostab.log"
+  timeout ${HOST_TIMEOUT:-90} python3 benchmarks/probes/host_profile.py --cases ${HOST_CASES:-1024x4096x32000} \
+    --out "$OUT/host_profile" 2>&1 | flt > "$OUT/host_profile.log"; summary "$OUT/host_profile.log" host_profile
 }
 
 # ---------------------------------------------------------------- the call

@@ -23,7 +23,7 @@ from ._timing import DTYPES, cuda_time_ms
 from .kernels import launch as L
 from .kernels.chunk_grad import chunk_grad_
 from .kernels.chunk_stats import chunk_stats_partials
-from .kernels.launch import STORE_EXP, STORE_NONE
+from .kernels.launch import STORE_EXP, STORE_LOGITS, STORE_NONE
 from .kernels.lse_forward import lse_forward_partials
 
 LSE_CANDIDATES = [
@@ -76,6 +76,17 @@ def _run(kernel, args, cand, order):
     return lambda: bound(*full)
 
 
+# the storing pass of the gradient filter's gather order (Settings(filter_order="gather"), run 26): W's tiles come
+# through an int32 index, so W takes pointer loads (no TMA): deeper pipelines, narrower vocab tiles and a wider K
+# step are the levers a search for TMA loads never tried; the shipped "store" entry (falling back) is timed first
+GATHER_STORE_CANDIDATES = [
+    dict(block=dict(block_n=bn, block_v=bv, block_h=bh),
+         config=dict(num_warps=nw, num_stages=ns, indexing="tensor_descriptor", l2_groupings=[8], pid_type=pid))
+    for (bn, bv, bh), nw, ns, pid in [((128, 256, 64), 8, 4, "persistent_interleaved"), ((128, 128, 64), 8, 4, "flat"),
+                                      ((128, 128, 64), 4, 4, "persistent_interleaved"), ((256, 128, 64), 8, 4, "flat"),
+                                      ((128, 256, 32), 8, 5, "persistent_interleaved"), ((128, 128, 128), 8, 3, "flat")]
+]
+
 # --candidates: the logits kernels' lists (the chunk kernels always take their own)
 CANDIDATE_SETS = {"default": (LSE_CANDIDATES, LSE_STORE_CANDIDATES), "persistent": (PERSISTENT_CANDIDATES,) * 2}
 
@@ -86,6 +97,8 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
     rows, store_rows = z.shape[0], zs.shape[0]
     dummy = lse.new_zeros(1)  # the [1] ref of a pass that stores no exponentials
     perm = t.new_zeros(1)  # the [1] w_perm of a pass in the shard's own order
+    # the filter's order: a random permutation of the rows (the kernel reads W[wperm[j]] for column j)
+    wperm = torch.randperm(w.shape[0], device=w.device, generator=torch.Generator(device=w.device).manual_seed(1)).to(torch.int32)
     ref = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     lse_cands, store_cands = CANDIDATE_SETS[candidates]
     return [
@@ -98,6 +111,10 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
                                                      ref[:store_rows], perm, 1.0, 0.0, False, STORE_EXP, False,
                                                      False, False, False),
          store_cands, "lse_forward", smm),
+        ("lse_forward_store_gather", lse_forward_partials, (x[:store_rows], w, w.new_zeros(1), t[:store_rows], zs,
+                                                            dummy, wperm, 1.0, 0.0, False, STORE_LOGITS, False,
+                                                            False, False, True),
+         GATHER_STORE_CANDIDATES, "lse_forward", smm),
         ("chunk_stats", chunk_stats_partials, (z, 1.0, 0.0, False, False), STATS_CANDIDATES, "chunk_stats", zmm),
         ("chunk_grad", chunk_grad_, (z.clone(), t[:rows], lse, gw, gw[:1], gw[:1], 1.0, 0.0, 1.0, 0.0, 0.0, False, False), GRAD_CANDIDATES, "chunk_grad", zmm),
     ]
@@ -106,7 +123,8 @@ def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
 def current_entry(name: str, device: torch.device, dtype: torch.dtype, h: int) -> dict:
     """The entry a launch at hidden size ``h`` would use now for the searched kernel ``name`` (block
     and config only), so that every search times the shipped config in the same run as its candidates."""
-    kernel, variant = {"lse_forward_store": ("lse_forward", "store")}.get(name, (name, ""))
+    kernel, variant = {"lse_forward_store": ("lse_forward", "store"),
+                       "lse_forward_store_gather": ("lse_forward", "store_gather")}.get(name, (name, ""))
     e = L.entry(kernel, device, dtype, variant, h=h if kernel == "lse_forward" else None)
     return {"block": {k: e["block"][k] for k in L.BLOCK_ORDER[kernel]}, "config": dict(e["config"])}
 

@@ -282,6 +282,25 @@ def test_probe_scripts_import_and_wrap():
     assert Owner.f.__name__ == "f"
 
 
+def test_literal_shapes_and_the_host_profile_probe():
+    """bench.py's ``--shapes`` takes ``<H>x<V>`` beside the named shapes (issue 30's table has shapes with no model
+    name); a malformed one is refused by name. benchmarks/probes/host_profile.py imports without a GPU."""
+    import argparse
+
+    import common
+
+    ap = argparse.ArgumentParser()
+    common.add_case_args(ap)
+    args = ap.parse_args(["--shapes", "4096x32000,gemma", "--data", "random"])
+    common.check_case_args(ap, args)
+    assert common.cases(args) == [("4096x32000", "random", 4096, 32000), ("gemma", "random", 2304, 262208)]
+    bad = ap.parse_args(["--shapes", "4096x", "--data", "random"])
+    with pytest.raises(SystemExit):
+        common.check_case_args(ap, bad)
+    host_profile = pytest.importorskip("host_profile")
+    assert host_profile.main.__doc__ is None and "cProfile" in host_profile.__doc__
+
+
 def test_epilogue_probe_parts_and_three_matmuls():
     """benchmarks/probes/epilogue_probe.py's parts 5, 7, 8 are the shipped store pass (same partials and
     stored exponentials), part 4 merges to the same lse and target logit against the reference; and

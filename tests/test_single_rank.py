@@ -829,6 +829,41 @@ def test_launch_refuses_one_tensor_in_two_arguments():
         launch._launch("scale", (t, t), t.device, t.dtype, settings.Settings())
     launch._launch("scale", (t[:], torch.full((1,), 2.0)), t.device, t.dtype, settings.Settings())
     assert (t == 2.0).all()
+    launch._launch("scale", (t[:], torch.full((1,), 2.0)), t.device, t.dtype, settings.Settings())  # a cache hit
+    assert (t == 4.0).all()
+    with pytest.raises(AssertionError, match="scale was passed the same tensor object twice"):  # a hit checks too
+        launch._launch("scale", (t, t), t.device, t.dtype, settings.Settings())
+
+
+def test_launch_cache_maps_to_what_a_full_bind_gives(monkeypatch):
+    """The launch cache (kernels/launch.py ``_bind``) skips the config lookup and Helion's bind on a repeat
+    call: a hit gives the bound kernel and block sizes a fresh lookup gives, a new shape / stride / dtype /
+    scalar / block override / ``Settings.blocks`` is a new key (never another call's kernel or blocks), and a
+    full cache is cleared, not grown."""
+    from flce_dist.kernels import launch
+
+    s = settings.Settings()
+    t, g = torch.randn(300), torch.full((1,), 2.0)
+    full, bound, _ = launch._bind("scale", (t, g), t.device, t.dtype, s, "", None, None)
+    binds = []
+    real_entry = launch.entry
+    monkeypatch.setattr(launch, "entry", lambda *a, **k: binds.append(a[0]) or real_entry(*a, **k))
+    full2, bound2, first = launch._bind("scale", (t, g), t.device, t.dtype, s, "", None, None)
+    assert bound2 is bound and full2[2:] == full[2:] and full2[0] is t and not first and binds == []
+    fresh = launch._kernels()["scale"].bind(full)
+    assert fresh is bound
+    for args, kw in [((torch.randn(301), g), {}), ((t[::2], g), {}), ((t.double(), g.double()), {}),
+                     ((t, g), {"blocks": {"block": 64}})]:
+        f3, b3, _ = launch._bind("scale", args, args[0].device, args[0].dtype, s, "", None, kw.get("blocks"))
+        assert b3 is launch._kernels()["scale"].bind(f3)
+        if kw:
+            assert f3[-1] == 64 and full[-1] != 64
+    s64 = s.replace(blocks={"scale": {"block": 32}})
+    f4, _, _ = launch._bind("scale", (t, g), t.device, t.dtype, s64, "", None, None)
+    assert f4[-1] == 32 and len(binds) == 5
+    monkeypatch.setattr(launch, "_CACHE_MAX", len(launch._CACHE))
+    launch._bind("scale", (torch.randn(302), g), t.device, t.dtype, s, "", None, None)
+    assert len(launch._CACHE) == 1
 
 
 @pytest.mark.parametrize("softcap", [0.0, 2.5])
@@ -932,3 +967,42 @@ def test_minus_inf_bias_on_whole_tiles(small_tiles, request, backend, strategy):
     assert_close("logp", lp[ok], logp[ok].gather(1, target[ok][:, None])[:, 0], 1e-5)
     want_ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(1)
     assert_close("entropy", ent[ok], want_ent[ok], 1e-5)
+
+
+def test_entry_variant_falls_back_through_its_prefixes(tmp_path, monkeypatch):
+    """The gather order's storing pass (``lse_forward`` with ``z_out`` and ``w_perm``) looks up its own
+    entry ``lse_forward_store_gather``, then ``lse_forward_store``, then ``lse_forward``'s: a config file
+    without the gather entry keeps the storing pass's blocks, one with it takes its own."""
+    import json
+
+    from flce_dist.kernels import launch
+
+    s = settings.Settings(config_dir=str(tmp_path))
+    store = {"block": {"block_n": 16, "block_v": 32, "block_h": 16}, "config": {}}
+    own = {"block": {"block_n": 32, "block_v": 16, "block_h": 32}, "config": {}}
+    (tmp_path / "cpu.json").write_text(json.dumps({"lse_forward_store": {"fp32": store}}))
+    launch.load_configs.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        assert launch.entry("lse_forward", cpu, torch.float32, "store_gather", 48, s)["block"] == store["block"]
+        assert launch.entry("lse_forward", cpu, torch.float32, "", 48, s)["block"] != store["block"]
+        (tmp_path / "cpu.json").write_text(json.dumps({"lse_forward_store": {"fp32": store},
+                                                        "lse_forward_store_gather": {"fp32": own}}))
+        launch.load_configs.cache_clear()
+        assert launch.entry("lse_forward", cpu, torch.float32, "store_gather", 48, s)["block"] == own["block"]
+        assert launch.entry("lse_forward", cpu, torch.float32, "store", 48, s)["block"] == store["block"]
+        seen = []
+        real = launch._launch
+        monkeypatch.setattr(launch, "_launch", lambda name, args, *a, **k: seen.append((name, a[3] if len(a) > 3 else k.get("variant", "")))
+                            or real(name, args, *a, **k))
+        g = torch.Generator().manual_seed(5)
+        x, w = torch.randn(20, 48, generator=g), torch.randn(40, 48, generator=g)
+        tl = torch.randint(0, 40, (20,), generator=g).to(torch.int32)
+        perm = torch.randperm(40, generator=g).to(torch.int32)
+        z = torch.empty(20, 40)
+        st = launch.lse_forward(x, w, None, tl, 1.0, 0.0, False, s, z_out=z, w_perm=perm)
+        assert ("lse_forward", "store_gather") in seen
+        torch.testing.assert_close(z, x @ w[perm.long()].T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(st[:, 0], torch.logsumexp(x @ w.T, 1), rtol=1e-5, atol=1e-5)
+    finally:
+        launch.load_configs.cache_clear()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # after PYTHONPATH: an A/B tree there wins
 import flce_dist  # noqa: E402
 from flce_dist._timing import cuda_steady_ms, write_csv  # noqa: E402
 

@@ -125,19 +125,23 @@ def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = 
           settings: Settings = Settings()) -> dict[str, Any]:
     """The shipped entry for ``kernel`` on ``device`` at ``dtype`` (``default`` if none).
     ``variant`` (e.g. ``"store"``: ``lse_forward`` writing the logits too) looks up
-    ``<kernel>_<variant>`` first and falls back to the kernel's own entries. ``h`` (the hidden size,
+    ``<kernel>_<variant>`` first and falls back to the kernel's own entries; a variant with an
+    underscore falls back through its prefixes (``"store_gather"``: the storing pass reading W
+    through the gradient filter's order, then ``"store"``). ``h`` (the hidden size,
     for ``lse_forward``) selects a shape-class entry ``"<dtype>@h<h>"`` ahead of the dtype's own:
     the K loop's length sets how much of each tile's time the softmax epilogue takes.
     ``settings.blocks`` overrides the block sizes."""
     arch = arch_of(device)
     configs = load_configs(arch, settings.config_dir)
     table = configs.get(kernel, {})
-    special = configs.get(f"{kernel}_{variant}", {}) if variant else {}
+    # "store_gather" looks up <kernel>_store_gather, then <kernel>_store, then the kernel's own entries
+    parts = variant.split("_") if variant else []
+    specials = [configs.get(f"{kernel}_{'_'.join(parts[:i])}", {}) for i in range(len(parts), 0, -1)]
     fallback = (CPU_DEFAULTS if arch == "cpu" else DEFAULTS)[kernel]
     dc = dtype_class(dtype)
     keys = ([f"{dc}@h{h}"] if h is not None else []) + [dc]
-    e = (next((special[k] for k in keys if k in special), None) or next((table[k] for k in keys if k in table), None)
-         or table.get("default") or fallback)
+    e = (next((sp[k] for sp in specials for k in keys if k in sp), None)
+         or next((table[k] for k in keys if k in table), None) or table.get("default") or fallback)
     block = {**fallback["block"], **e.get("block", {}), **settings.block_overrides(kernel)}
     return {"block": block, "config": e.get("config", {})}
 
@@ -166,7 +170,6 @@ def _kernels() -> dict[str, Any]:
 
 _CONFIGURED: set[int] = set()
 
-
 def _ensure_mode(device: torch.device) -> None:
     if device.type == "cpu":
         from ..reference_mode import reference_mode_active, setup_reference_mode
@@ -177,26 +180,70 @@ def _ensure_mode(device: torch.device) -> None:
         setup_reference_mode()  # idempotent: the CPU aten::mm.dtype that reference-mode hl.dot needs
 
 
-def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
-            variant: str = "", h: int | None = None, blocks: dict[str, int] | None = None) -> Any:
-    """Bind and run kernel ``name`` with its shipped entry. No tensor object may appear twice in
-    ``args``: Helion 1.4 compiles aliased arguments into one parameter and its bind cache does not
-    tell such a call from one with distinct tensors (a later call would read one argument through
-    the other's pointer; benchmarks/NOTES.md, run 19). Views are distinct objects."""
-    tensors = [id(a) for a in args if isinstance(a, torch.Tensor)]
-    if len(set(tensors)) != len(tensors):
-        raise AssertionError(f"kernels/launch.py: {name} was passed the same tensor object twice")
+# The launch cache: (kernel, device, dtype, variant, h, config_dir, block overrides, blocks, exact argument
+# metadata) -> (block values, bound kernel). A repeat call skips the config lookup and Helion's specialisation
+# key (bucketed sizes per argument, ~15-20 us per launch on the host); the metadata key (dtype, shape, stride,
+# device per tensor; type and value per scalar) is finer than Helion's key, so a hit always maps to the bound
+# kernel a full bind() would return. Bounded: cleared when it holds _CACHE_MAX entries (varying token counts).
+_CACHE: dict[tuple[Any, ...], tuple[tuple[int, ...], Any]] = {}
+_CACHE_MAX = 4096
+
+
+def _arg_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    key: list[Any] = []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            key.append((a.dtype, a.shape, a.stride(), a.device))
+        elif t is int or t is float or t is bool:
+            key.append((t, a))
+        elif a is None:
+            key.append(None)
+        else:  # a tensor subclass or another type: the full bind() path
+            return None
+    return tuple(key)
+
+
+def _bind(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
+          variant: str, h: int | None, blocks: dict[str, int] | None) -> tuple[tuple[Any, ...], Any, bool]:
+    """(the full argument tuple, its bound kernel, whether this is its first call)."""
+    arg_key = _arg_key(args)
+    key = None if arg_key is None else (name, device, dtype, variant, h, settings.config_dir, settings.blocks,
+                                        None if not blocks else tuple(sorted(blocks.items())), arg_key)
+    hit = None if key is None else _CACHE.get(key)
+    if hit is not None:
+        return (*args, *hit[0]), hit[1], False
     _ensure_mode(device)
     e = entry(name, device, dtype, variant, h, settings)
     block = {**e["block"], **(blocks or {})}
-    full = (*args, *(block[k] for k in BLOCK_ORDER[name]))
+    tail = tuple(block[k] for k in BLOCK_ORDER[name])
+    full = (*args, *tail)
     bound = _kernels()[name].bind(full)
-    if id(bound) not in _CONFIGURED:
+    first = id(bound) not in _CONFIGURED
+    if first:
         if device.type == "cuda":
             import helion
 
             bound.set_config(helion.Config(**e["config"]))
         _CONFIGURED.add(id(bound))
+    if key is not None:
+        if len(_CACHE) >= _CACHE_MAX:
+            _CACHE.clear()
+        _CACHE[key] = (tail, bound)
+    return full, bound, first
+
+
+def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
+            variant: str = "", h: int | None = None, blocks: dict[str, int] | None = None) -> Any:
+    """Bind and run kernel ``name`` with its shipped entry (through the launch cache above). No tensor
+    object may appear twice in ``args``: Helion 1.4 compiles aliased arguments into one parameter and its
+    bind cache does not tell such a call from one with distinct tensors (a later call would read one
+    argument through the other's pointer; benchmarks/NOTES.md, run 19). Views are distinct objects."""
+    tensors = [id(a) for a in args if isinstance(a, torch.Tensor)]
+    if len(set(tensors)) != len(tensors):
+        raise AssertionError(f"kernels/launch.py: {name} was passed the same tensor object twice")
+    full, bound, first = _bind(name, args, device, dtype, settings, variant, h, blocks)
+    if first:
         with warnings.catch_warnings():  # the first call compiles: see kernels/common.py
             warnings.filterwarnings("ignore", message="max_num_sm_multipler is reduced", category=UserWarning)
             return bound(*full)
@@ -260,7 +307,8 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     # on sm_90 a pass without a bias leaves its target logits to kernels/target_dot.py (the same bits,
     # without a compare per element); elsewhere (other GPUs, reference mode) the pass finds them itself
     nt = bias is None and arch_of(x.device) == "h200"
-    variant = "store" if z_out is not None else ""
+    # the pass that reads W through an index has its own entry (pointer loads for W, not TMA), else "store"'s
+    variant = ("store_gather" if w_perm is not None else "store") if z_out is not None else ""
     perm = w_perm.to(torch.int32) if w_perm is not None else target_local.new_zeros(1, dtype=torch.int32)
     parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, perm, float(scale), float(softcap),
                                     bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt,

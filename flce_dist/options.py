@@ -137,6 +137,10 @@ class LossOptions:
             raise TypeError(f"{where}: unknown loss option(s) {sorted(unknown)}; allowed: {list(allowed)}")
 
     def replace(self, **changes: Any) -> "LossOptions":
+        """A copy with ``changes`` (validated); ``self`` when nothing changes (no re-validation on the
+        per-call path: the API replaces the strategy and sequence_parallel on every call)."""
+        if all(type(v) is type(getattr(self, k, None)) and getattr(self, k) == v for k, v in changes.items()):
+            return self
         return dataclasses.replace(self, **changes)
 
     def signature(self) -> tuple:

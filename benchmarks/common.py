@@ -75,8 +75,7 @@ def cases(args: argparse.Namespace, table: dict[str, tuple[int, int]] | None = N
 def with_literal_shapes(shapes: str, table: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
     """``table`` plus every ``<H>x<V>`` entry of the comma list ``shapes`` (e.g. ``4096x32000``, the
     shapes of issue 30's table that have no model name)."""
-    lit = {s: (int(s.split("x")[0]), int(s.split("x")[1])) for s in shapes.split(",")
-           if re.fullmatch(r"[1-9]\d*x[1-9]\d*", s)}
+    lit = {s: tuple(int(d) for d in s.split("x")) for s in shapes.split(",") if re.fullmatch(r"[1-9]\d*x[1-9]\d*", s)}
     return {**table, **lit}
 
 

@@ -858,8 +858,8 @@ def test_launch_cache_maps_to_what_a_full_bind_gives(monkeypatch):
         assert b3 is launch._kernels()["scale"].bind(f3)
         if kw:
             assert f3[-1] == 64 and full[-1] != 64
-    s64 = s.replace(blocks={"scale": {"block": 32}})
-    f4, _, _ = launch._bind("scale", (t, g), t.device, t.dtype, s64, "", None, None)
+    s32 = s.replace(blocks={"scale": {"block": 32}})
+    f4, _, _ = launch._bind("scale", (t, g), t.device, t.dtype, s32, "", None, None)
     assert f4[-1] == 32 and len(binds) == 5
     monkeypatch.setattr(launch, "_CACHE_MAX", len(launch._CACHE))
     launch._bind("scale", (torch.randn(302), g), t.device, t.dtype, s, "", None, None)

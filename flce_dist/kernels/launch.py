@@ -170,6 +170,7 @@ def _kernels() -> dict[str, Any]:
 
 _CONFIGURED: set[int] = set()
 
+
 def _ensure_mode(device: torch.device) -> None:
     if device.type == "cpu":
         from ..reference_mode import reference_mode_active, setup_reference_mode

@@ -15,7 +15,10 @@ bare ``x @ W.T`` matmul timed in the same run (``ratio_fb``: fwd+bwd against thr
 ``dy @ W``, ``dy.T @ x``: ``_timing.three_matmuls``, the floor as issue 15 words it); ``ratio_plan``
 (``xplan``) is fwd+bwd against the same three matmuls as flce's default chunk plan issues them
 (``_timing.chunked_matmuls`` at ``plan_rows`` rows: cuBLAS alone, no Helion pass, no small kernel).
-Writes ``bench_<dtype>[_<data modes>].csv`` under
+``--rounds K`` (run 28) then times the steady fwd+bwd of the three matmuls and of every impl again in K
+interleaved rounds (order rotated per round) and reports each impl's median per-round ratio to flce
+(``vs_flce``, with its spread): a lead of a few % is only real where the rounds agree on it, since the
+lent machines drift by several % between two single timings. Writes ``bench_<dtype>[_<data modes>].csv`` under
 ``benchmarks/results/`` (and ``--out``) and prints a table last.
 
 Data modes (``--data``, default ``random,realistic``; ``benchmarks/data.py``): ``random`` is the
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +44,11 @@ import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else t
 import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402
 from flce_dist._timing import DTYPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, three_matmuls  # noqa: E402
+
+try:  # interleaved rounds (run 28; older trees: no --rounds)
+    from flce_dist._timing import interleaved_ms, paired_ratios  # noqa: E402
+except ImportError:
+    interleaved_ms = paired_ratios = None
 
 try:  # the chunk plan's cuBLAS work alone (run 21; trees before it: no such column)
     from flce_dist._timing import chunked_matmuls  # noqa: E402
@@ -146,8 +155,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_case_args(ap)
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--impls", default="", help="comma list, e.g. flce,cce,cce_exact (default: all available)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="after each case, time the steady fwd+bwd of the three matmuls and of every impl again in K "
+                         "interleaved rounds and report each impl's median ratio to flce in the same round")
     args = ap.parse_args(argv)
     common.check_case_args(ap, args)
+    if args.rounds < 0:
+        ap.error(f"--rounds must be >= 0, got {args.rounds}")
     return args
 
 
@@ -194,6 +208,7 @@ def main() -> None:
         print(f"  {'matmul':15} {mm:8.2f} ms  (three distinct matmuls {mm3:.2f} ms = {mm3 / (3 * mm):.3f}x 3 x this;"
               f" as flce's {plan}-row chunks {mmc:.2f} ms = {mmc / mm3:.3f}x them)", flush=True)
         grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
+        timed = {}  # impl -> its fwd+bwd closure, for the interleaved rounds
         rows.append(dict(shape=name, data=mode, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0,
                          ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0,
                          floor3_ms=mm3, ratio_fb3=3 * mm / mm3, plan_rows=plan, plan_ms=mmc, ratio_plan=3 * mm / mmc,
@@ -217,6 +232,7 @@ def main() -> None:
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
                 continue
+            timed[iname] = fb
             rows.append(dict(shape=name, data=mode, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
                              ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, steady_ms=st_ms,
                              ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem,
@@ -226,7 +242,9 @@ def main() -> None:
             print(f"  {iname:15} {fb_ms:8.2f} ms ({fb_ms / (3 * mm):.2f}x 3mm)  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)"
                   f"  extra {mem - grads_gib:.2f} GiB", flush=True)
             torch.cuda.empty_cache()
-        del x, w, t
+        if args.rounds and "flce" in timed:
+            interleave(rows, timed, x, w, args.rounds)
+        del x, w, t, timed
         torch.cuda.empty_cache()
         common.save(rows, common.csv_name(f"bench_{args.dtype}", args.data), args)
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
@@ -237,11 +255,39 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+def interleave(rows: list[dict], timed: dict, x: torch.Tensor, w: torch.Tensor, rounds: int) -> None:
+    """The case's steady fwd+bwd of every impl and of the three distinct matmuls, timed again in ``rounds``
+    interleaved rounds (``_timing.interleaved_ms``): adds ``rounds_ms`` (median over rounds), ``vs_flce``
+    (median of the per-round ratio to flce; > 1 = slower than flce) with its spread ``vs_flce_min`` /
+    ``vs_flce_max``, and ``rounds_x3dist`` (median per-round ratio to the three matmuls) to the case's rows,
+    and prints flce's lead over its closest peer."""
+    fns = {"3mm": three_matmuls(x.detach(), w.detach()), **timed}
+    per_round = interleaved_ms(fns, rounds)
+    vs_flce = paired_ratios(per_round, "flce")
+    vs_mm = paired_ratios(per_round, "3mm")
+    del fns
+    torch.cuda.empty_cache()
+    case = rows[-1 - len(timed)]["shape"], rows[-1 - len(timed)]["data"]
+    for r in rows:
+        if (r["shape"], r["data"]) == case and r["impl"] in timed:
+            med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
+            r.update(rounds_ms=statistics.median(per_round[r["impl"]]), vs_flce=med, vs_flce_min=lo, vs_flce_max=hi,
+                     rounds_x3dist=vs_mm[r["impl"]][0])
+    peers = {k: v for k, v in vs_flce.items() if k not in ("3mm", "flce_filter", "flce_filter_gather")}
+    line = f"  interleaved, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
+           f"{vs_mm['flce'][0]:.3f}x the three matmuls"
+    if peers:
+        best = min(peers, key=lambda k: peers[k][0])
+        med, lo, hi = peers[best]
+        line += f"; closest exact-or-default peer {best}: flce ahead by {100 * (med - 1):+.1f}% (rounds {100 * (lo - 1):+.1f}..{100 * (hi - 1):+.1f}%)"
+    print(line, flush=True)
+
+
 TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "15"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
          ("x3mm", "ratio_fb", "6.2f"), ("steady", "steady_ms", "8.2f"), ("x3mm", "ratio_steady", "6.2f"),
          ("fwd ms", "fwd_ms", "8.2f"), ("x1mm", "ratio_f", "6.2f"), ("peak GiB", "mem_gib", "9.2f"),
          ("extra", "extra_gib", "6.2f"), ("fwd GiB", "fwd_mem_gib", "8.2f"), ("x3dist", "ratio_fb3", "6.2f"),
-         ("xplan", "ratio_plan", "6.2f")]
+         ("xplan", "ratio_plan", "6.2f"), ("rounds", "rounds_ms", "8.2f"), ("/flce", "vs_flce", "6.3f")]
 
 
 def print_table(rows: list[dict]) -> None:

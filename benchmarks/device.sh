@@ -92,12 +92,14 @@ step_gatherab() {
 }
 
 # issue 30's table: bench.py at its shapes, one process per token count, every peer (ISSUE_IMPLS, BENCH_REPS=5,
-# ISSUE_RUNS="N:shapes ..."; the RL token counts at qwen3, the literal H x V shapes of the issue's table)
+# ISSUE_RUNS="N:shapes ..."; the RL token counts at qwen3, the literal H x V shapes of the issue's table;
+# ISSUE_ROUNDS=K: each case's impls again in K interleaved rounds, flce's lead over each peer per round)
 step_benchissue() {
   for run in ${ISSUE_RUNS:-4096:4096x32000 1024:qwen3 2048:qwen3 32768:4096x32000 32768:qwen3}; do
     timeout ${ISSUE_TIMEOUT:-200} python3 benchmarks/bench.py --n "${run%%:*}" --shapes "${run#*:}" \
       --impls ${ISSUE_IMPLS:-flce,flce_filter,liger,liger_c16,cce,cce_exact,torch,torch_lce} --data ${BENCH_DATA:-random,realistic} \
-      --reps ${BENCH_REPS:-5} --out "$OUT" 2>&1 | flt | tee "$OUT/benchissue_${run%%:*}_${run#*:}.log" | tail -${BENCH_TAIL:-22}
+      --reps ${BENCH_REPS:-5} --rounds ${ISSUE_ROUNDS:-0} --out "$OUT" 2>&1 | flt \
+      | tee "$OUT/benchissue_${run%%:*}_${run#*:}.log" | tail -${BENCH_TAIL:-22}
   done
 }
 

@@ -51,6 +51,38 @@ def cuda_steady_ms(fn: Callable[[], object], reps: int, calls: int = 5) -> float
     return cuda_time_ms(fn, reps, calls=calls, lead=1)
 
 
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int,
+                   timer: Callable[[Callable[[], object]], float] | None = None) -> dict[str, list[float]]:
+    """Per-round times of several callables timed in turn: ``rounds`` rounds, each timing every entry
+    of ``fns`` once with ``timer`` (default: ``cuda_steady_ms`` at 3 samples), the order rotated by one
+    per round so that no entry always follows the same one. Close calls between implementations (within
+    a few %) need this: on the lent machines the clocks drift by several % over the seconds between two
+    single timings, while entries timed side by side in one round drift together. Returns
+    ``{name: [ms per round]}``; ``paired_ratios`` turns it into per-round ratios against one entry."""
+    timer = timer or (lambda fn: cuda_steady_ms(fn, 3))
+    names = list(fns)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            out[k].append(timer(fns[k]))
+    return out
+
+
+def paired_ratios(per_round: dict[str, list[float]], ref: str) -> dict[str, tuple[float, float, float]]:
+    """``{name: (median, min, max)}`` over the rounds of ``ms[name] / ms[ref]`` in the same round (ref
+    itself excluded): > 1 means slower than ``ref``. The spread (min, max) says whether a median lead is
+    inside the round-to-round noise."""
+    if ref not in per_round:
+        raise ValueError(f"ref={ref!r} is not one of the timed entries {sorted(per_round)}")
+    base = per_round[ref]
+    res = {}
+    for k, ts in per_round.items():
+        if k != ref:
+            q = [a / b for a, b in zip(ts, base)]
+            res[k] = (statistics.median(q), min(q), max(q))
+    return res
+
+
 def three_matmuls(x: torch.Tensor, w: torch.Tensor, seed: int = 1) -> Callable[[], object]:
     """The fwd+bwd floor as issue 15 defines it: a closure running the layer's three distinct
     matmuls back to back, ``y = x @ W.T`` [N, V], ``dX = dy @ W`` [N, H] (K = V) and

@@ -668,3 +668,55 @@ def test_bench_trl_refuses_without_cuda(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         trl_bench.main()
     assert e.value.code == 2 and "CUDA" in capsys.readouterr().err
+
+
+def test_interleaved_rounds_pair_each_round(monkeypatch, capsys):
+    """``_timing.interleaved_ms`` rotates the order per round and ``paired_ratios`` divides within a round, so a
+    drift common to a round cancels: here every round is slower than the last by 10% (the clock drift the lent
+    machines show), peer B is 2% slower than flce in each round and A 5% faster; the per-round ratios stay exact
+    where a ratio of medians taken at different times would not. bench.py's ``interleave`` fills the rows."""
+    from flce_dist import _timing
+
+    base = {"3mm": 1.0, "flce": 1.04, "A": 1.04 * 0.95, "B": 1.04 * 1.02}
+    calls: list[str] = []
+    state = {"round": 0}
+
+    def timer(fn):
+        calls.append(fn.name)
+        if len(calls) % len(base) == 0:
+            state["round"] += 1
+        return base[fn.name] * 1.1 ** (state["round"] - (len(calls) % len(base) == 0))
+
+    fns = {}
+    for k in base:
+        fn = (lambda: None)
+        fn.name = k
+        fns[k] = fn
+    per_round = _timing.interleaved_ms(fns, 4, timer)
+    assert calls[:4] == ["3mm", "flce", "A", "B"] and calls[4:8] == ["flce", "A", "B", "3mm"]
+    assert all(len(v) == 4 for v in per_round.values())
+    r = _timing.paired_ratios(per_round, "flce")
+    assert set(r) == {"3mm", "A", "B"}
+    assert r["B"] == pytest.approx((1.02, 1.02, 1.02)) and r["A"] == pytest.approx((0.95, 0.95, 0.95))
+    assert r["3mm"][0] == pytest.approx(1 / 1.04)
+    with pytest.raises(ValueError, match="ref="):
+        _timing.paired_ratios(per_round, "liger")
+
+    bench = pytest.importorskip("bench")
+    assert bench.parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "-1"])
+    # interleave() on CPU with the fake timer standing in for cuda_steady_ms: the rows of the case get the columns
+    monkeypatch.setattr(bench, "interleaved_ms", lambda f, rounds: _timing.interleaved_ms(
+        {k: fns[k] for k in f}, rounds, timer))
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    state["round"], calls[:] = 0, []
+    rows = [dict(shape="s", data="random", impl="matmul")] + [dict(shape="s", data="random", impl=k)
+                                                                for k in ("flce", "A", "B")]
+    x, w = torch.randn(5, 3), torch.randn(7, 3)
+    bench.interleave(rows, {k: fns[k] for k in ("flce", "A", "B")}, x, w, 3)
+    assert "rounds_ms" not in rows[0]
+    assert rows[3]["vs_flce"] == pytest.approx(1.02) and rows[2]["vs_flce"] == pytest.approx(0.95)
+    assert rows[1]["vs_flce"] == 1.0 and rows[1]["rounds_x3dist"] == pytest.approx(1.04)
+    out = capsys.readouterr().out
+    assert "closest exact-or-default peer A: flce ahead by -5.0%" in out

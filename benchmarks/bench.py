@@ -34,6 +34,7 @@ vocab sorted by mean logit in backward) and exact (``cce_exact``: ``filter_eps=N
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import statistics
 
@@ -213,8 +214,9 @@ def main() -> None:
                          ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0,
                          floor3_ms=mm3, ratio_fb3=3 * mm / mm3, plan_rows=plan, plan_ms=mmc, ratio_plan=3 * mm / mmc,
                          **dcols))
+        steps = fwd_bwd_steps(impls, x, w, t)
         for iname, fn in impls.items():
-            fb = common.fwd_bwd(lambda: fn(x, w, t), x, w)
+            fb = steps[iname]
 
             def fo():
                 with torch.no_grad():
@@ -244,7 +246,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         if args.rounds and "flce" in timed:
             interleave(rows, timed, x, w, args.rounds)
-        del x, w, t, timed
+        del x, w, t, timed, steps
         torch.cuda.empty_cache()
         common.save(rows, common.csv_name(f"bench_{args.dtype}", args.data), args)
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
@@ -253,6 +255,13 @@ def main() -> None:
 
     if dist.is_initialized():  # the one-rank group DeepSpeed's function needed
         dist.destroy_process_group()
+
+
+def fwd_bwd_steps(impls: dict, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> dict:
+    """``{impl: step}``, each step one fwd+bwd of that impl on (x, w, t) (``common.fwd_bwd``). Each impl is bound
+    when its step is made (``functools.partial``), not looked up when it runs: the interleaved rounds call the
+    steps after the loop over impls, where a loop variable in a lambda would name the last impl for all."""
+    return {k: common.fwd_bwd(functools.partial(fn, x, w, t), x, w) for k, fn in impls.items()}
 
 
 def interleave(rows: list[dict], timed: dict, x: torch.Tensor, w: torch.Tensor, rounds: int) -> None:

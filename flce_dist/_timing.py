@@ -187,10 +187,13 @@ def peak_gib(fn: Callable[[], object], *params: torch.Tensor) -> float:
 
 
 def write_csv(rows: list[dict], filename: str, out_dirs: Iterable[str | Path] = ()) -> None:
-    """Write ``rows`` to benchmarks/results/<filename> and to each of ``out_dirs``."""
+    """Write ``rows`` to benchmarks/results/<filename> and to each of ``out_dirs``. The columns are the
+    union of the rows' keys in first-seen order (rows may add columns, e.g. bench.py's ``--rounds``);
+    a row without a column leaves it empty."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
     for d in [RESULTS, *map(Path, out_dirs)]:
         d.mkdir(parents=True, exist_ok=True)
         with open(d / filename, "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+            wr = csv.DictWriter(f, fieldnames=fields)
             wr.writeheader()
             wr.writerows(rows)

@@ -720,3 +720,33 @@ def test_interleaved_rounds_pair_each_round(monkeypatch, capsys):
     assert rows[1]["vs_flce"] == 1.0 and rows[1]["rounds_x3dist"] == pytest.approx(1.04)
     out = capsys.readouterr().out
     assert "closest exact-or-default peer A: flce ahead by -5.0%" in out
+
+
+def test_bench_steps_bind_each_impl_and_csv_takes_new_columns(tmp_path):
+    """The interleaved rounds call bench.py's fwd+bwd steps after the loop over impls: each step must still run
+    its own impl (run 28's first rounds call timed the last impl under every name: a lambda over the loop
+    variable). And a CSV whose later rows add columns (the rounds' ``vs_flce``) is written, not refused."""
+    bench = pytest.importorskip("bench")
+    from flce_dist import _timing
+
+    called = []
+
+    def impl(tag):
+        def fn(x, w, t):
+            called.append(tag)
+            return torch.nn.functional.cross_entropy(x @ w.T, t)
+        return fn
+
+    x, w = torch.randn(6, 4, requires_grad=True), torch.randn(9, 4, requires_grad=True)
+    t = torch.randint(0, 9, (6,))
+    steps = bench.fwd_bwd_steps({"flce": impl("flce"), "liger": impl("liger"), "torch": impl("torch")}, x, w, t)
+    for k in ("liger", "flce", "torch"):
+        steps[k]()
+    assert called == ["liger", "flce", "torch"] and w.grad is not None
+    rows = [dict(impl="matmul", ms=1.0), dict(impl="flce", ms=2.0, vs_flce=1.0), dict(impl="liger", ms=2.1, vs_flce=1.05)]
+    _timing.write_csv(rows, "t.csv", [tmp_path])
+    import csv
+
+    got = list(csv.DictReader(open(tmp_path / "t.csv")))
+    assert [r["vs_flce"] for r in got] == ["", "1.0", "1.05"]
+    (_timing.RESULTS / "t.csv").unlink()

@@ -296,13 +296,16 @@ TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "15"),
          ("x3mm", "ratio_fb", "6.2f"), ("steady", "steady_ms", "8.2f"), ("x3mm", "ratio_steady", "6.2f"),
          ("fwd ms", "fwd_ms", "8.2f"), ("x1mm", "ratio_f", "6.2f"), ("peak GiB", "mem_gib", "9.2f"),
          ("extra", "extra_gib", "6.2f"), ("fwd GiB", "fwd_mem_gib", "8.2f"), ("x3dist", "ratio_fb3", "6.2f"),
-         ("xplan", "ratio_plan", "6.2f"), ("rounds", "rounds_ms", "8.2f"), ("/flce", "vs_flce", "6.3f")]
+         ("xplan", "ratio_plan", "6.2f")]
+# --rounds: the interleaved median and the median per-round ratio to flce (printed only when some row has them)
+ROUND_COLUMNS = [("rounds", "rounds_ms", "8.2f"), ("/flce", "vs_flce", "6.3f")]
 
 
 def print_table(rows: list[dict]) -> None:
     """The short table: one line per (shape, data mode, impl); the matmul line of each (shape, data)
     carries that data's describe() numbers (loss nats, negligible-block fraction sorted)."""
-    common.print_table(rows, TABLE, lambda r: common.data_note(r) if r["impl"] == "matmul" else "")
+    cols = TABLE + (ROUND_COLUMNS if any("rounds_ms" in r for r in rows) else [])
+    common.print_table(rows, cols, lambda r: common.data_note(r) if r["impl"] == "matmul" else "")
 
 
 if __name__ == "__main__":

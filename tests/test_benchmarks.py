@@ -204,6 +204,9 @@ def test_bench_chunk_plan_and_table(capsys):
     bench.print_table([row])
     out = capsys.readouterr().out
     assert "xplan" in out.splitlines()[0] and out.splitlines()[1].rstrip().endswith("1.01")
+    bench.print_table([dict(row, rounds_ms=38.5, vs_flce=1.0), dict(row, impl="liger_c16", rounds_ms=40.0, vs_flce=1.039)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-2:] == ["rounds", "/flce"] and lines[2].rstrip().endswith("40.00  1.039")
 
 
 def test_plot_per_data_mode(tmp_path, monkeypatch):

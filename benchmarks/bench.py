@@ -209,7 +209,7 @@ def main() -> None:
         print(f"  {'matmul':15} {mm:8.2f} ms  (three distinct matmuls {mm3:.2f} ms = {mm3 / (3 * mm):.3f}x 3 x this;"
               f" as flce's {plan}-row chunks {mmc:.2f} ms = {mmc / mm3:.3f}x them)", flush=True)
         grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
-        timed = {}  # impl -> its fwd+bwd closure, for the interleaved rounds
+        case_start = len(rows) + 1  # the case's impl rows follow its matmul row
         rows.append(dict(shape=name, data=mode, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0,
                          ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0,
                          floor3_ms=mm3, ratio_fb3=3 * mm / mm3, plan_rows=plan, plan_ms=mmc, ratio_plan=3 * mm / mmc,
@@ -234,7 +234,6 @@ def main() -> None:
                 x.grad = w.grad = None
                 torch.cuda.empty_cache()
                 continue
-            timed[iname] = fb
             rows.append(dict(shape=name, data=mode, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
                              ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, steady_ms=st_ms,
                              ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem,
@@ -244,9 +243,9 @@ def main() -> None:
             print(f"  {iname:15} {fb_ms:8.2f} ms ({fb_ms / (3 * mm):.2f}x 3mm)  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)"
                   f"  extra {mem - grads_gib:.2f} GiB", flush=True)
             torch.cuda.empty_cache()
-        if args.rounds and "flce" in timed:
-            interleave(rows, timed, x, w, args.rounds)
-        del x, w, t, timed, steps
+        if args.rounds:
+            interleave(rows[case_start:], steps, x, w, args.rounds)
+        del x, w, t, steps
         torch.cuda.empty_cache()
         common.save(rows, common.csv_name(f"bench_{args.dtype}", args.data), args)
     print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
@@ -264,24 +263,26 @@ def fwd_bwd_steps(impls: dict, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor
     return {k: common.fwd_bwd(functools.partial(fn, x, w, t), x, w) for k, fn in impls.items()}
 
 
-def interleave(rows: list[dict], timed: dict, x: torch.Tensor, w: torch.Tensor, rounds: int) -> None:
-    """The case's steady fwd+bwd of every impl and of the three distinct matmuls, timed again in ``rounds``
+def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, rounds: int) -> None:
+    """For ``rows``, one case's impl rows (the impls that ran; ``steps`` from :func:`fwd_bwd_steps`): the steady
+    fwd+bwd of each and of the three distinct matmuls, timed again in ``rounds``
     interleaved rounds (``_timing.interleaved_ms``): adds ``rounds_ms`` (median over rounds), ``vs_flce``
     (median of the per-round ratio to flce; > 1 = slower than flce) with its spread ``vs_flce_min`` /
     ``vs_flce_max``, and ``rounds_x3dist`` (median per-round ratio to the three matmuls) to the case's rows,
-    and prints flce's lead over its closest peer."""
+    and prints flce's lead over its closest peer. Nothing without a flce row."""
+    timed = {r["impl"]: steps[r["impl"]] for r in rows}
+    if "flce" not in timed:
+        return
     fns = {"3mm": three_matmuls(x.detach(), w.detach()), **timed}
     per_round = interleaved_ms(fns, rounds)
     vs_flce = paired_ratios(per_round, "flce")
     vs_mm = paired_ratios(per_round, "3mm")
     del fns
     torch.cuda.empty_cache()
-    case = rows[-1 - len(timed)]["shape"], rows[-1 - len(timed)]["data"]
     for r in rows:
-        if (r["shape"], r["data"]) == case and r["impl"] in timed:
-            med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
-            r.update(rounds_ms=statistics.median(per_round[r["impl"]]), vs_flce=med, vs_flce_min=lo, vs_flce_max=hi,
-                     rounds_x3dist=vs_mm[r["impl"]][0])
+        med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
+        r.update(rounds_ms=statistics.median(per_round[r["impl"]]), vs_flce=med, vs_flce_min=lo, vs_flce_max=hi,
+                 rounds_x3dist=vs_mm[r["impl"]][0])
     peers = {k: v for k, v in vs_flce.items() if k not in ("3mm", "flce_filter", "flce_filter_gather")}
     line = f"  interleaved, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
            f"{vs_mm['flce'][0]:.3f}x the three matmuls"

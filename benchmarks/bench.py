@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import inspect
+import os
 import statistics
 
 import torch
@@ -163,6 +164,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.check_case_args(ap, args)
     if args.rounds < 0:
         ap.error(f"--rounds must be >= 0, got {args.rounds}")
+    if args.rounds and interleaved_ms is None:
+        ap.error("--rounds needs a flce_dist tree whose _timing has interleaved_ms (run 28 or later); "
+                 f"the one imported is {os.path.dirname(flce_dist.__file__)}")
+    if args.rounds and args.impls and "flce" not in args.impls.split(","):
+        ap.error(f"--rounds reports each impl against flce: add flce to --impls (got {args.impls!r})")
     return args
 
 

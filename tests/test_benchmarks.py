@@ -706,6 +706,14 @@ def test_interleaved_rounds_pair_each_round(monkeypatch, capsys):
     assert bench.parse_args(["--rounds", "3"]).rounds == 3
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "-1"])
+    with pytest.raises(SystemExit):  # rounds report each impl against flce
+        bench.parse_args(["--rounds", "2", "--impls", "liger,torch"])
+    assert bench.parse_args(["--rounds", "2", "--impls", "flce,torch"]).impls == "flce,torch"
+    with monkeypatch.context() as m:  # a tree from before run 28 (no interleaved_ms): refused, not a TypeError later
+        m.setattr(bench, "interleaved_ms", None)
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--rounds", "2"])
+        assert bench.parse_args([]).rounds == 0
     # interleave() on CPU with the fake timer standing in for cuda_steady_ms: the rows of the case get the columns
     monkeypatch.setattr(bench, "interleaved_ms", lambda f, rounds: _timing.interleaved_ms(
         {k: fns[k] for k in f}, rounds, timer))

@@ -319,11 +319,15 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     handle = None
     out = dx
     eps = p.options.filter_eps(x.dtype)
-    order = None
+    order = perm = None
     if eps and n:  # the gradient filter's row scale (the rows' total gradient weight) and vocab order
         row_scale = g.abs() if gh is None else g.abs() + gh.abs()
         order = VocabOrder.by_mean_logit(x, w, b, row_scale)
         tl = order.targets(tl)
+        if p.settings.filter_order == "gather":  # no copy of the chunk's sorted rows of W: read through perm
+            perm = order.perm32
+            grows = gather_rows(v, w.shape[1] * w.element_size(), x.device, p.settings, share=group_size(group))
+            no_tgt = torch.full((n,), -1, dtype=tl.dtype, device=x.device)  # its statistics are not used
     if n == 0:
         v = 0
         if dw is not None:
@@ -331,16 +335,22 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         if db is not None:
             db.zero_()
     for j in range(0, v, cols):
+        pc = None
         if order is None:
             wc, bc = w[j:j + cols], None if b is None else b[j:j + cols]
+            z = K.logits(x, wc, bc)
+        elif perm is not None:  # this chunk's sorted rows read through perm (their logits pass's stats unused)
+            wc, pc, bc = w, perm[j:j + cols], order.rows(b, j, j + cols)
+            z = x.new_empty(n, pc.numel())
+            K.lse_forward_gathered(x, w, bc, pc, no_tgt, p.logit_scale, p.cap, False, p.settings, z, grows)
         else:  # this chunk's rows of the sorted shard (a chunk-sized copy)
             wc, bc = order.rows(w, j, j + cols), order.rows(b, j, j + cols)
-        z = K.logits(x, wc, bc)
+            z = K.logits(x, wc, bc)
         keep = None
         if order is not None:
             keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
             if need_dx:
-                K.dx_masked(z, wc, keep, dx, True, p.settings)
+                K.dx_masked(z, wc, keep, dx, True, p.settings, w_perm=pc)
         else:
             K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
             if need_dx:
@@ -351,6 +361,8 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 handle = all_reduce_async(out, group)
         if not need_dw:
             pass
+        elif pc is not None:  # sorted rows written straight to their rows of dW
+            K.dw_masked(z, x, keep, dw, False, p.settings, out_perm=pc)
         elif keep is not None:  # sorted rows, written back to the shard's order
             order.put(dw, j, K.dw_masked(z, x, keep, torch.empty_like(wc), False, p.settings))
         else:

@@ -37,8 +37,9 @@ field                  environment default          meaning
                                                     (``vocab_order.py``): ``"copy"`` (a sorted copy
                                                     of the shard: + |W_r| memory) or ``"gather"``
                                                     (the logits pass, dX and dW read W and write dW
-                                                    through the order: no copy; 2-18% slower than
-                                                    "copy" in run 26, peak <= exact's + 0.1 GiB)
+                                                    through the order, in both strategies: no copy;
+                                                    fused: 2-18% slower than "copy" in run 26, peak
+                                                    <= exact's + 0.1 GiB)
 =====================  ==========================  ==============================================
 
 Every rank of a tensor-parallel group must use the same settings (the chunk plan sets the number of

@@ -14,10 +14,11 @@ which a tokenizer's ids scatter over the whole vocabulary; in id order nearly ev
 The core runs the filtered path on ``W[perm]`` (and ``b[perm]``, targets mapped through ``inv``) and
 returns the gradients in the shard's own row order: with ``Settings(filter_order="copy")`` on a sorted
 copy of the shard (+ |W_r| of memory, and dW restored through ``inv``: + |W_r| more at the end); with
-``"gather"`` without one: the fused strategy's logits pass loads W's tiles through ``perm32``
+``"gather"`` without one: the logits pass loads W's tiles through ``perm32``
 (``kernels.launch.lse_forward_gathered``; cuBLAS logits gather blocks of ``chunking.gather_rows`` rows
 into one buffer), and the block-sparse dX / dW matmuls read W and write dW through it
-(``kernels/masked_mm.py``). The order only decides which blocks cluster; the
+(``kernels/masked_mm.py``), in both strategies (the recompute strategy's vocab chunk is a slice of
+``perm32``; with "copy" it takes a chunk-sized sorted copy of W, all of W when N is small). The order only decides which blocks cluster; the
 loss, dX and the kept blocks' gradient are the same in any order (summation order aside), and the
 error bound of the filter holds in any order. Each rank orders its own shard: no collective.
 """

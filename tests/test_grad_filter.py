@@ -353,6 +353,58 @@ def test_filter_order_gather_matches_copy_and_the_reference(gather_tiles, monkey
             assert rel(g_, c_) < 1e-6
 
 
+@pytest.mark.parametrize("bias, backend", [(False, "helion"), (True, "cublas")])
+def test_filter_order_gather_in_the_recompute_strategy(gather_tiles, monkeypatch, bias, backend):
+    """The recompute strategy (``logprobs_and_entropy``, the RL head's path) with
+    Settings(filter_order="gather"): each vocab chunk's sorted rows are read through the order, never
+    copied (spied: the order copies vectors only, never W; with Helion logits no index_select of W at all,
+    with cuBLAS logits blocks of at most 64 sorted rows), 4 vocab chunks of 48 sorted rows; a tiny eps gives
+    the float64 reference's per-token loss, entropy and gradients, a larger eps the copy order's."""
+    from flce_dist.vocab_order import VocabOrder
+
+    v = 193
+    x, w, t = _inputs(31, v=v)
+    b = torch.randn(v, generator=torch.Generator().manual_seed(7)) if bias else None
+    go = torch.randn(t.shape, generator=torch.Generator().manual_seed(8))
+    # the recompute plan's vocab chunk: chunk_bytes / (n x itemsize) columns = 48, 4 chunks (the last 49)
+    s0 = gather_tiles.replace(chunk_bytes=48 * x.shape[0] * 4, filter_order="gather", logits_backend=backend)
+    kw = dict(temperature=0.8, softcap=15.0)
+
+    def run(eps, s):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        bs = b.clone().requires_grad_() if b is not None else None
+        loss, ent = flce_dist.logprobs_and_entropy(xs, ws, t, bias=bs, grad_filter_eps=eps,
+                                                   settings=s, **kw)
+        ((loss * go).sum() + 0.3 * ent.sum()).backward()
+        return [loss.detach(), ent.detach(), xs.grad, ws.grad] + ([bs.grad] if b is not None else [])
+
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    b64 = b.double().requires_grad_() if b is not None else None
+    loss64, ent64 = flce_dist.reference_logprobs_and_entropy(x64, w64, t, bias=b64, **kw)
+    ((loss64 * go.double()).sum() + 0.3 * ent64.sum()).backward()
+    want = [loss64.detach(), ent64.detach(), x64.grad, w64.grad] + ([b64.grad] if b is not None else [])
+    calls, gathered = [], []
+    rows, index_select = VocabOrder.rows, torch.index_select
+    monkeypatch.setattr(VocabOrder, "rows", lambda self, a, *r: calls.append(a is not None and a.dim()) or
+                        rows(self, a, *r))
+    monkeypatch.setattr(torch, "index_select", lambda src, dim, index, *, out=None: gathered.append(
+                        (src.shape[0], index.numel())) or index_select(src, dim, index, out=out))
+    got = run(1e-30, s0)
+    assert calls and all(d in (False, 1) for d in calls), calls  # b's rows or None only
+    w_gathers = [k for rows_, k in gathered if rows_ == v and k > 0]
+    if backend == "helion":
+        assert not w_gathers, gathered
+    else:
+        assert w_gathers and max(w_gathers) <= 64, gathered
+    for g_, r_ in zip(got, want):
+        assert rel(g_.double(), r_) < 1e-5, rel(g_.double(), r_)
+    if not bias:
+        a, c = run(5e-2, s0), run(5e-2, s0.replace(filter_order="copy"))
+        assert rel(a[2], want[2]) > 1e-5  # something was skipped
+        for g_, c_ in zip(a, c):
+            assert rel(g_, c_) < 1e-6
+
+
 def test_filter_order_setting_is_checked():
     with pytest.raises(ValueError, match="filter_order"):
         settings.Settings(filter_order="sorted")

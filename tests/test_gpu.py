@@ -230,12 +230,13 @@ def test_grad_filter_on_the_gpu(strategy):
     assert bool(((gw2 - gw0).abs() <= bound_w + 2e-2 * gw0.abs().max()).all())
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_grad_filter_gather_order_on_the_gpu(bias):
+@pytest.mark.parametrize("bias, strategy", [(False, "fused"), (True, "fused"), (True, "recompute")])
+def test_grad_filter_gather_order_on_the_gpu(bias, strategy):
     """Settings(filter_order="gather") compiled for the GPU (the Helion logits pass writing column blocks
     of the chunk, masked_mm reading W and writing dW through the order): bf16 at an odd shape, 4 token
-    chunks x 17 gathered blocks; a tiny eps gives the float64 reference's gradients, "auto" the copy
-    order's (the same logits, kept blocks and kernels up to the merge's summation order)."""
+    chunks x 17 gathered blocks (recompute: 4 vocab chunks, each a slice of the order); a tiny eps gives
+    the float64 reference's gradients, "auto" the copy order's (the same logits, kept blocks and kernels
+    up to the merge's summation order)."""
     from flce_dist.settings import Settings
 
     x, w, t = _case(2, 1000, 1000, 32003, torch.bfloat16, seed=9)
@@ -250,7 +251,7 @@ def test_grad_filter_gather_order_on_the_gpu(bias):
         if dtype == torch.float64:
             loss = reference_loss(xs, ws, t.reshape(-1), bias=bs)
         else:
-            loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, bias=bs, strategy="fused", grad_filter_eps=eps,
+            loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, bias=bs, strategy=strategy, grad_filter_eps=eps,
                                                         settings=s)
         loss.backward()
         return [loss.detach().double(), xs.grad.double(), ws.grad.double()] + ([bs.grad.double()] if bias else [])

@@ -1,7 +1,7 @@
 """RL / post-training head benchmark (issue #16): per-token log-probs and entropy, with gradients.
 
     python benchmarks/bench_rl.py [--shapes llama3,qwen3,gemma] [--n 8192] [--data random,realistic]
-        [--impls flce_rl,flce_loss,flce_mean,liger,torch] [--temperature 0.7] [--beta 0.01] [--reps 10]
+        [--impls flce_rl,flce_loss,flce_mean,liger,torch (default; also flce_rl_filter,flce_rl_gather)] [--temperature 0.7] [--beta 0.01] [--reps 10]
         [--check-n 512] [--out DIR]                                     # TP=1, one GPU
     torchrun --nproc_per_node=2 benchmarks/bench_rl.py [same options]    # TP=2 (NCCL)
     python benchmarks/bench_rl.py --cpu-smoke [--out DIR]                # CPU, Helion reference mode, tiny shape
@@ -13,6 +13,10 @@ adv a fixed float32 N(0, 1) per-token advantage, beta = --beta, T = --temperatur
 bf16 inputs, target = the data mode's. Rows (``--impls``):
   flce_rl    flce_dist.logprobs_and_entropy(x, W_r, t, group=TP, temperature=T) -> (logp, entropy), float32, both
              differentiable.
+  flce_rl_filter  flce_rl with grad_filter_eps="auto" (the opt-in gradient filter; bf16: eps 2^-12), the sorted copy
+             of W (Settings(filter_order="copy"), the default).
+  flce_rl_gather  the same filter with Settings(filter_order="gather"): each vocab chunk's sorted rows read through
+             the order, no copy of W (at these N the recompute plan's one vocab chunk is all of W_r).
   flce_loss  the anchor (issue #16: flce_rl <= 1.10 x this row): fused_linear_cross_entropy(..., reduction="none",
              temperature=T), obj = (adv * -loss).sum(); no entropy (reduction="none": the recompute strategy).
   flce_mean  context: the default reduction="mean" loss at temperature T (the fused strategy), obj = loss.
@@ -71,11 +75,12 @@ from flce_dist import vocab_shard  # noqa: E402
 from flce_dist._timing import SHAPES, cuda_time_ms, peak_gib  # noqa: E402
 from bench_tp import _CopyToTP  # noqa: E402
 
-IMPLS = ("flce_rl", "flce_loss", "flce_mean", "liger", "torch")
+IMPLS = ("flce_rl", "flce_rl_filter", "flce_rl_gather", "flce_loss", "flce_mean", "liger", "torch")
+DEFAULT_IMPLS = ("flce_rl", "flce_loss", "flce_mean", "liger", "torch")  # the filter rows on request
 TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "10"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
          ("x flce_loss", "ratio", "11.3f"), ("peak GiB/rank", "mem_gib", "14.2f")]
 RL_SHAPES = {**SHAPES, "tiny": (32, 1000)}  # tiny: --cpu-smoke
-TOL = {"flce_rl": 1e-3, "torch": 1e-3, "liger": 2e-2}
+TOL = {"flce_rl": 1e-3, "flce_rl_filter": 2e-2, "flce_rl_gather": 2e-2, "torch": 1e-3, "liger": 2e-2}
 
 
 class _SumTP(torch.autograd.Function):
@@ -111,13 +116,26 @@ def torch_rl(x, w, t, temp, group=None, start=0):
     return zt - lse, lse - sz / s
 
 
-def flce_rl_fn():
-    """flce_dist's (logp, entropy) call and its name, or (None, the reason) for an older tree."""
-    if hasattr(flce_dist, "logprobs_and_entropy"):
+def flce_rl_fn(filter_order: str | None = None):
+    """flce_dist's (logp, entropy) call and its name, or (None, the reason) for an older tree; with
+    ``filter_order`` the gradient filter ("auto") in that vocabulary order."""
+    if not hasattr(flce_dist, "logprobs_and_entropy"):
+        return None, "flce_dist has no logprobs_and_entropy (issue #16 not in this tree)"
+    if filter_order is None:
         def rl(x, w, t, temp, group, *_):
             return flce_dist.logprobs_and_entropy(x, w, t, group=group, temperature=temp)
         return rl, "logprobs_and_entropy"
-    return None, "flce_dist has no logprobs_and_entropy (issue #16 not in this tree)"
+    from flce_dist.settings import Settings
+
+    try:
+        st = Settings(filter_order=filter_order)
+    except (TypeError, ValueError) as e:  # a tree before run 26
+        return None, f"Settings(filter_order={filter_order!r}): {e}"
+
+    def rl_filter(x, w, t, temp, group, *_):
+        return flce_dist.logprobs_and_entropy(x, w, t, group=group, temperature=temp, grad_filter_eps="auto",
+                                              settings=st)
+    return rl_filter, f"grad_filter_eps='auto', filter_order={filter_order}"
 
 
 def liger_fn(dev, p, dtype):
@@ -223,7 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     common.add_case_args(ap, shapes=None, n=None, reps=None, helps=dict(
         shapes="comma list from SHAPES (default llama3,qwen3,gemma; smoke: tiny)", n="tokens (default 8192; smoke: 64)",
         reps="timed calls per row (default 10; smoke: 2)"))
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS))
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--beta", type=float, default=0.01, help="entropy coefficient of the objective")
     ap.add_argument("--check-n", type=int, default=512, help="tokens of the correctness check (0: skip)")
@@ -264,7 +282,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     notes = {"flce_loss": "anchor: reduction=none, no entropy", "flce_mean": "reduction=mean loss, no entropy"}
     impls = args.impls.split(",")
     tnote = "Megatron fp32 shard logits" if p > 1 else "materialised fp32 logits"
-    getters = {"flce_rl": flce_rl_fn, "liger": lambda: liger_fn(dev, p, dt), "torch": lambda: (torch_rl, tnote)}
+    getters = {"flce_rl": flce_rl_fn, "flce_rl_filter": lambda: flce_rl_fn("copy"),
+               "flce_rl_gather": lambda: flce_rl_fn("gather"), "liger": lambda: liger_fn(dev, p, dt), "torch": lambda: (torch_rl, tnote)}
     for name, get in getters.items():
         if name not in impls:
             continue

@@ -32,7 +32,7 @@ def _rows(path: Path) -> list[dict]:
 def test_arguments():
     a = bench_rl.parse_args(["--device", "cpu"])
     assert a.shapes == "llama3,qwen3,gemma" and a.n == 8192 and a.reps == 10 and a.data == ["random", "realistic"]
-    assert a.temperature == 0.7 and a.beta == 0.01 and a.impls.split(",") == list(bench_rl.IMPLS)
+    assert a.temperature == 0.7 and a.beta == 0.01 and a.impls.split(",") == list(bench_rl.DEFAULT_IMPLS)
     a = bench_rl.parse_args(["--cpu-smoke", "--data", "realistic"])
     assert a.device == "cpu" and a.shapes == "tiny" and a.n == 64 and a.data == ["realistic"]
     for bad in (["--impls", "flce,nope"], ["--shapes", "gpt2"], ["--data", "uniform"]):
@@ -54,6 +54,15 @@ def test_cpu_smoke_torch_and_loss_rows(tmp_path):
 def test_cpu_smoke_flce_rl(tmp_path):
     rows = bench_rl.main(["--cpu-smoke", "--data", "realistic", "--impls", "flce_rl,flce_loss,torch"])
     assert [r["impl"] for r in rows] == ["flce_rl", "flce_loss", "torch"]  # the check passed, then all were timed
+
+
+@pytest.mark.skipif(not HAS_RL, reason=NO_RL)
+def test_cpu_smoke_filter_rows(tmp_path):
+    """The gradient filter's rows (copy and gather order) pass the check and are timed, each with its note."""
+    rows = bench_rl.main(["--cpu-smoke", "--data", "random", "--impls", "flce_rl_filter,flce_rl_gather,flce_loss"])
+    assert [r["impl"] for r in rows] == ["flce_rl_filter", "flce_rl_gather", "flce_loss"]
+    assert [r["note"] for r in rows[:2]] == ["grad_filter_eps='auto', filter_order=copy",
+                                             "grad_filter_eps='auto', filter_order=gather"]
 
 
 def test_check_rejects_a_wrong_implementation(monkeypatch):

@@ -483,7 +483,7 @@ def main():
             filters = ("fused",) if args.quick else ("fused", "recompute")
             for strategy in filters if args.only != "entropy" else ():  # the opt-in gradient filter
                 filter_case(ck, dev, group, n=8 * p, h=24, v=40 * p + 3, dtype=dtypes[0], strategy=strategy,
-                            orders=("copy", "gather") if strategy == "fused" else ("copy",))
+                            orders=("copy", "gather"))
             # per-token log-probs and entropy with gradients (issue 16), uneven V, with and without SP
             for dtype in dtypes if args.only != "filter" else []:
                 for use in ("both",) if args.quick else ("both", "logp", "entropy"):

@@ -1,7 +1,8 @@
 """RL / post-training head benchmark (issue #16): per-token log-probs and entropy, with gradients.
 
     python benchmarks/bench_rl.py [--shapes llama3,qwen3,gemma] [--n 8192] [--data random,realistic]
-        [--impls flce_rl,flce_loss,flce_mean,liger,torch (default; also flce_rl_filter,flce_rl_gather)] [--temperature 0.7] [--beta 0.01] [--reps 10]
+        [--impls flce_rl,flce_loss,flce_mean,liger,torch (default; also flce_rl_filter,flce_rl_gather)]
+        [--temperature 0.7] [--beta 0.01] [--reps 10]
         [--check-n 512] [--out DIR]                                     # TP=1, one GPU
     torchrun --nproc_per_node=2 benchmarks/bench_rl.py [same options]    # TP=2 (NCCL)
     python benchmarks/bench_rl.py --cpu-smoke [--out DIR]                # CPU, Helion reference mode, tiny shape
@@ -283,7 +284,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     impls = args.impls.split(",")
     tnote = "Megatron fp32 shard logits" if p > 1 else "materialised fp32 logits"
     getters = {"flce_rl": flce_rl_fn, "flce_rl_filter": lambda: flce_rl_fn("copy"),
-               "flce_rl_gather": lambda: flce_rl_fn("gather"), "liger": lambda: liger_fn(dev, p, dt), "torch": lambda: (torch_rl, tnote)}
+               "flce_rl_gather": lambda: flce_rl_fn("gather"), "liger": lambda: liger_fn(dev, p, dt),
+               "torch": lambda: (torch_rl, tnote)}
     for name, get in getters.items():
         if name not in impls:
             continue

@@ -336,15 +336,15 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
             db.zero_()
     for j in range(0, v, cols):
         pc = None
-        if order is None:
-            wc, bc = w[j:j + cols], None if b is None else b[j:j + cols]
-            z = K.logits(x, wc, bc)
-        elif perm is not None:  # this chunk's sorted rows read through perm (their logits pass's stats unused)
+        if perm is not None:  # this chunk's sorted rows read through perm (their logits pass's stats unused)
             wc, pc, bc = w, perm[j:j + cols], order.rows(b, j, j + cols)
             z = x.new_empty(n, pc.numel())
             K.lse_forward_gathered(x, w, bc, pc, no_tgt, p.logit_scale, p.cap, False, p.settings, z, grows)
-        else:  # this chunk's rows of the sorted shard (a chunk-sized copy)
-            wc, bc = order.rows(w, j, j + cols), order.rows(b, j, j + cols)
+        else:
+            if order is None:
+                wc, bc = w[j:j + cols], None if b is None else b[j:j + cols]
+            else:  # this chunk's rows of the sorted shard (a chunk-sized copy)
+                wc, bc = order.rows(w, j, j + cols), order.rows(b, j, j + cols)
             z = K.logits(x, wc, bc)
         keep = None
         if order is not None:

@@ -20,7 +20,8 @@ into one buffer), and the block-sparse dX / dW matmuls read W and write dW throu
 (``kernels/masked_mm.py``), in both strategies (the recompute strategy's vocab chunk is a slice of
 ``perm32``; with "copy" it takes a chunk-sized sorted copy of W, all of W when N is small). The order
 only decides which blocks cluster; the loss, dX and the kept blocks' gradient are the same in any order
-(summation order aside), and the error bound of the filter holds in any order. Each rank orders its own shard: no collective.
+(summation order aside), and the error bound of the filter holds in any order. Each rank orders its
+own shard: no collective.
 """
 
 from __future__ import annotations

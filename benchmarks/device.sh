@@ -84,9 +84,9 @@ step_benchfilter() {
 }
 
 # bench.py: the gradient filter with a sorted copy of W vs gathered through the order (filter_order), and exact
-# (BENCH_SHAPES=llama3,qwen3,gemma, BENCH_DATA=random,realistic, BENCH_REPS=8)
+# (BENCH_SHAPES=llama3,qwen3,gemma, BENCH_DATA=random,realistic, BENCH_REPS=8, GATHER_TIMEOUT=420)
 step_gatherab() {
-  timeout 420 python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} \
+  timeout ${GATHER_TIMEOUT:-420} python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} \
     --impls flce,flce_filter,flce_filter_gather --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} \
     --out "$OUT" 2>&1 | flt | tee "$OUT/gatherab.log" | tail -${BENCH_TAIL:-24}
 }
@@ -124,10 +124,18 @@ step_sweep() {
   done | tee "$OUT/sweep.log"
 }
 
-# bench_rl.py: per-token log-probs + entropy with gradients, TP=1 (RL_ARGS, RL_TIMEOUT=480, RL_TAIL=40)
+# bench_rl.py: per-token log-probs + entropy with gradients, TP=1 (RL_ARGS, RL_TIMEOUT=480, RL_TAIL=40;
+# RL_RUNS="N:shapes ...": one process per run, each with --n N --shapes shapes and RL_ARGS, its own log)
 step_rl() {
-  timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt \
-    | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40}
+  if [ -z "${RL_RUNS:-}" ]; then
+    timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" ${RL_ARGS:-} 2>&1 | flt \
+      | tee "$OUT/bench_rl.log" | tail -${RL_TAIL:-40}
+    return
+  fi
+  for run in $RL_RUNS; do
+    timeout ${RL_TIMEOUT:-480} python3 benchmarks/bench_rl.py --out "$OUT" --n "${run%%:*}" --shapes "${run#*:}" \
+      ${RL_ARGS:-} 2>&1 | flt | tee "$OUT/bench_rl_${run%%:*}_${run#*:}.log" | tail -${RL_TAIL:-40}
+  done
 }
 
 # bench_trl.py: TRL 1.16 GRPO plain vs flce_dist.integrations.trl.patch(): the fused head, a 1B Llama's loss pass, GRPOTrainer steps (TRL_ARGS, TRL_TIMEOUT=400)

@@ -87,12 +87,15 @@ def _impls():
         # the opt-in gradient filter at CCE's default threshold (2^-12 for 16-bit inputs)
         impls["flce_filter"] = lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
     if "filter_order" in inspect.signature(rt.override).parameters:
-        # the filter without the sorted copy of the weight shard (Settings(filter_order="gather"))
-        def filter_gather(x, w, t):
-            with rt.override(filter_order="gather"):
-                return flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
+        # the filter without the sorted copy of the weight shard (Settings(filter_order="gather"), the default
+        # from run 30) and with it ("copy", the default before)
+        def filter_in(order):
+            def run(x, w, t):
+                with rt.override(filter_order=order):
+                    return flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
+            return run
 
-        impls["flce_filter_gather"] = filter_gather
+        impls["flce_filter_gather"], impls["flce_filter_copy"] = filter_in("gather"), filter_in("copy")
     impls["torch"] = lambda x, w, t: F.cross_entropy((x @ w.T).float(), t)
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
@@ -289,7 +292,8 @@ def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, 
         med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
         r.update(rounds_ms=statistics.median(per_round[r["impl"]]), vs_flce=med, vs_flce_min=lo, vs_flce_max=hi,
                  rounds_x3dist=vs_mm[r["impl"]][0])
-    peers = {k: v for k, v in vs_flce.items() if k not in ("3mm", "flce_filter", "flce_filter_gather")}
+    peers = {k: v for k, v in vs_flce.items()
+             if k not in ("3mm", "flce_filter", "flce_filter_gather", "flce_filter_copy")}
     line = f"  interleaved, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
            f"{vs_mm['flce'][0]:.3f}x the three matmuls"
     if peers:

@@ -16,9 +16,9 @@ bf16 inputs, target = the data mode's. Rows (``--impls``):
              differentiable.
   flce_rl_filter  flce_rl with grad_filter_eps="auto" (the opt-in gradient filter; bf16: eps 2^-12), the sorted copy
              of W (Settings(filter_order="copy"); the default before run 30).
-  flce_rl_gather  the same filter with Settings(filter_order="gather") (what the "auto" default does here): each
-             vocab chunk's sorted rows read through the order, no copy of W (at these N the recompute plan's one
-             vocab chunk is all of W_r).
+  flce_rl_gather  the same filter with Settings(filter_order="gather") (the default from run 30): each vocab
+             chunk's sorted rows read through the order, no copy of W (at these N the recompute plan's one vocab
+             chunk is all of W_r).
   flce_loss  the anchor (issue #16: flce_rl <= 1.10 x this row): fused_linear_cross_entropy(..., reduction="none",
              temperature=T), obj = (adv * -loss).sum(); no entropy (reduction="none": the recompute strategy).
   flce_mean  context: the default reduction="mean" loss at temperature T (the fused strategy), obj = loss.

@@ -87,7 +87,7 @@ step_benchfilter() {
 # (BENCH_SHAPES=llama3,qwen3,gemma, BENCH_DATA=random,realistic, BENCH_REPS=8, GATHER_TIMEOUT=420)
 step_gatherab() {
   timeout ${GATHER_TIMEOUT:-420} python3 benchmarks/bench.py --shapes ${BENCH_SHAPES:-llama3,qwen3,gemma} \
-    --impls flce,flce_filter,flce_filter_gather --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} \
+    --impls flce,flce_filter_copy,flce_filter_gather --data ${BENCH_DATA:-random,realistic} --reps ${BENCH_REPS:-8} \
     --out "$OUT" 2>&1 | flt | tee "$OUT/gatherab.log" | tail -${BENCH_TAIL:-24}
 }
 

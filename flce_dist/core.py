@@ -45,12 +45,11 @@ logit (``vocab_order.py``: W[perm], b[perm], targets through inv; no collective)
 (row, vocab tile) max |dz| in the chunk_grad_ pass, build the block mask against eps x the row's
 gradient weight (after the global lse: the same decision under TP), run dX and dW as block-sparse
 Helion matmuls over the kept blocks (``kernels/masked_mm.py``) and return dW, db in the shard's
-own row order. Same collectives and matmul count; memory + one sorted copy of W_r (fused,
-``Settings(filter_order="copy")``, the "auto" default there) or of a vocab chunk (recompute, "copy");
-``filter_order="gather"`` (and "auto" in the recompute strategy): the logits pass loads W's tiles
-through the order (``launch.lse_forward_gathered``; cuBLAS logits: blocks of rows gathered into a
-buffer of 1/8 of the chunk budget) and the dX / dW matmuls read W and write dW through it
-(``kernels/masked_mm.py``): no sorted copy, no restore of dW.
+own row order. Same collectives and matmul count. ``Settings(filter_order="gather")`` (the default):
+the logits pass loads W's tiles through the order (``launch.lse_forward_gathered``; cuBLAS logits:
+blocks of rows gathered into a buffer of 1/8 of the chunk budget) and the dX / dW matmuls read W and
+write dW through it (``kernels/masked_mm.py``): no sorted copy, no restore of dW. ``filter_order="copy"``: memory + one
+sorted copy of W_r (fused) or of a vocab chunk (recompute: all of W_r at RL token counts).
 
 Memory: one logits chunk (``chunking.chunk_rows``) plus dX/dW; never [N, V_r].
 
@@ -205,7 +204,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     order = perm = None
     if eps and n:  # the gradient filter works on the shard sorted by mean logit (vocab_order.py)
         order = VocabOrder.by_mean_logit(x, w, b, g.abs())
-        if p.settings.filter_gathers(recompute=False):  # no sorted copy of W: read and written through perm
+        if p.settings.filter_order == "gather":  # no sorted copy of W: read and written through perm
             perm = order.perm32
             grows = gather_rows(v, w.shape[1] * w.element_size(), x.device, p.settings, share=group_size(group))
         else:
@@ -325,7 +324,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         row_scale = g.abs() if gh is None else g.abs() + gh.abs()
         order = VocabOrder.by_mean_logit(x, w, b, row_scale)
         tl = order.targets(tl)
-        if p.settings.filter_gathers(recompute=True):  # no copy of the chunk's sorted rows of W: read through perm
+        if p.settings.filter_order == "gather":  # no copy of the chunk's sorted rows of W: read through perm
             perm = order.perm32
             grows = gather_rows(v, w.shape[1] * w.element_size(), x.device, p.settings, share=group_size(group))
             no_tgt = torch.full((n,), -1, dtype=tl.dtype, device=x.device)  # its statistics are not used

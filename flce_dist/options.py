@@ -108,7 +108,7 @@ class LossOptions:
     grad_filter_eps: float | str | None = option(
         None, _filter_eps, "opt-in gradient filter: (token x vocab) blocks whose every |dL/dz| is below eps times "
         "the row's gradient weight are skipped in the dX and dW matmuls (on the shard sorted by mean logit; the loss "
-        "stays exact; fused strategy: + one sorted copy of the weight shard, Settings.filter_order); 'auto': 2**-12 "
+        "stays exact; W read through the order, no copy: Settings.filter_order); 'auto': 2**-12 "
         "for 16-bit inputs, CCE's default (none for 32/64-bit); None: exact")
     return_lse: bool = option(False, _bool, "also return the global per-token lse", "output")
     return_token_accuracy: bool = option(False, _bool, "also return per-token target == argmax (bool)", "output")

@@ -34,15 +34,12 @@ field                  environment default          meaning
                                                     2 bytes x V_local x H beyond the returned dW.
 ``filter_order``       (none)                       how the gradient filter (``grad_filter_eps``)
                                                     reads the shard in its sorted vocabulary order
-                                                    (``vocab_order.py``): ``"copy"`` (a sorted copy
-                                                    of the shard: + |W_r| memory), ``"gather"``
-                                                    (the logits pass, dX and dW read W and write dW
-                                                    through the order, in both strategies: no copy;
-                                                    fused: 2-18% slower than "copy" in run 26, peak
-                                                    <= exact's + 0.1 GiB) or ``"auto"`` (default:
-                                                    "gather" in the recompute strategy, where "copy"
-                                                    held two W_r-sized buffers and was slower, run
-                                                    29/30; "copy" in the fused one)
+                                                    (``vocab_order.py``): ``"gather"`` (default: the
+                                                    logits pass, dX and dW read W and write dW
+                                                    through the order, in both strategies: no copy,
+                                                    peak <= exact's) or ``"copy"`` (a sorted copy of
+                                                    the shard, + |W_r| memory; fused: 0-3% faster
+                                                    than "gather", recompute: slower, run 30)
 =====================  ==========================  ==============================================
 
 Every rank of a tensor-parallel group must use the same settings (the chunk plan sets the number of
@@ -63,7 +60,7 @@ import torch
 LOGITS_BACKENDS = ("helion", "cublas")
 GRAD_FORMS = ("rowscale", "chunk_grad")
 DW_ACCUMULATE = ("auto", "float32", "native")
-FILTER_ORDERS = ("auto", "copy", "gather")
+FILTER_ORDERS = ("copy", "gather")
 
 
 def _freeze_blocks(blocks: Mapping[str, Mapping[str, int]] | tuple | None) -> tuple:
@@ -82,7 +79,7 @@ class Settings:
     config_dir: str | None = None
     grad_form: str = "rowscale"
     dw_accumulate: str = "auto"
-    filter_order: str = "auto"
+    filter_order: str = "gather"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "blocks", _freeze_blocks(self.blocks))
@@ -96,11 +93,6 @@ class Settings:
             raise ValueError(f"dw_accumulate must be one of {DW_ACCUMULATE}, got {self.dw_accumulate!r}")
         if self.filter_order not in FILTER_ORDERS:
             raise ValueError(f"filter_order must be one of {FILTER_ORDERS}, got {self.filter_order!r}")
-
-    def filter_gathers(self, recompute: bool) -> bool:
-        """Whether the gradient filter reads W through its vocabulary order (no sorted copy): "gather", or
-        "auto" in the recompute strategy (``reduction="none"``, ``logprobs_and_entropy``)."""
-        return self.filter_order == "gather" or (self.filter_order == "auto" and recompute)
 
     def block_overrides(self, kernel: str) -> dict[str, int]:
         return dict(next((v for k, v in self.blocks if k == kernel), ()))

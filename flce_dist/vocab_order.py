@@ -12,10 +12,9 @@ which a tokenizer's ids scatter over the whole vocabulary; in id order nearly ev
     inv      = perm's inverse                       shard row -> sorted position
 
 The core runs the filtered path on ``W[perm]`` (and ``b[perm]``, targets mapped through ``inv``) and
-returns the gradients in the shard's own row order (``Settings.filter_order``, default "auto": "gather" in
-the recompute strategy, "copy" in the fused one): with ``Settings(filter_order="copy")`` on a sorted
-copy of the shard (+ |W_r| of memory, and dW restored through ``inv``: + |W_r| more at the end); with
-``"gather"`` without one: the logits pass loads W's tiles through ``perm32``
+returns the gradients in the shard's own row order (``Settings.filter_order``): with ``"copy"`` on a
+sorted copy of the shard (+ |W_r| of memory, and dW restored through ``inv``: + |W_r| more at the end);
+with ``"gather"`` (the default) without one: the logits pass loads W's tiles through ``perm32``
 (``kernels.launch.lse_forward_gathered``; cuBLAS logits gather blocks of ``chunking.gather_rows`` rows
 into one buffer), and the block-sparse dX / dW matmuls read W and write dW through it
 (``kernels/masked_mm.py``), in both strategies (the recompute strategy's vocab chunk is a slice of

@@ -289,7 +289,11 @@ def main() -> int:
                 errors(ck, dev, mesh, d)
                 module(ck, dev, mesh, d)
     except Exception:  # noqa: BLE001
+        # this rank's exception: report and leave now; torchrun then stops the ranks still inside a collective
+        # (a barrier here would wait for them until the test's timeout)
         ck.failures.append("exception:\n" + traceback.format_exc())
+        ck.report()
+        exit_rank(1)
     ck.report()
     dist.barrier()
     dist.destroy_process_group()

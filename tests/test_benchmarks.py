@@ -759,3 +759,26 @@ def test_bench_steps_bind_each_impl_and_csv_takes_new_columns(tmp_path, monkeypa
     got = list(csv.DictReader(open(tmp_path / "t.csv")))
     assert [r["vs_flce"] for r in got] == ["", "1.0", "1.05"]
     assert (tmp_path / "results" / "t.csv").read_text() == (tmp_path / "t.csv").read_text()
+
+
+def test_bench_filter_rows_run_their_vocab_order(monkeypatch):
+    """bench.py's ``flce_filter_copy`` / ``flce_filter_gather`` rows run the gradient filter in that
+    ``Settings.filter_order`` (spied at the core's fused backward), ``flce_filter`` in the default ("gather")."""
+    bench = pytest.importorskip("bench")
+    from flce_dist import core
+
+    seen = []
+    fused = core.fused_forward_backward
+
+    def spy(x, w, b, tl, g, p, *a, **k):
+        seen.append(p.settings.filter_order)
+        return fused(x, w, b, tl, g, p, *a, **k)
+
+    monkeypatch.setattr(core, "fused_forward_backward", spy)
+    impls = bench._impls()
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(7, 16, generator=g, requires_grad=True), torch.randn(37, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 37, (7,), generator=g)
+    for k in ("flce_filter_copy", "flce_filter_gather", "flce_filter"):
+        impls[k](x.bfloat16(), w.bfloat16(), t).backward()
+    assert seen == ["copy", "gather", "gather"]

@@ -125,7 +125,7 @@ def test_filtered_gradients_within_the_bound(filter_tiles, strategy):
     l0, gx0, gw0 = run(None)
     l1, gx1, gw1 = run(1e-30)
     # the filter runs on the vocabulary sorted by mean logit: the same loss up to summation order (the
-    # recompute strategy's default "gather" order tiles its logits pass differently: float32 rounding ~1e-6)
+    # default "gather" order tiles its logits pass differently: float32 rounding ~1e-6)
     assert abs(float(l1) - float(l0)) <= 1e-6 * abs(float(l0)) and rel(gx1, gx0) < 1e-5 and rel(gw1, gw0) < 1e-5
     eps = 5e-2
     l2, gx2, gw2 = run(eps)
@@ -406,16 +406,19 @@ def test_filter_order_gather_in_the_recompute_strategy(gather_tiles, monkeypatch
             assert rel(g_, c_) < 1e-6
 
 
-def test_filter_order_auto_gathers_in_the_recompute_strategy_only(gather_tiles, monkeypatch):
-    """The default Settings(filter_order="auto"): the recompute strategy (``logprobs_and_entropy``, the RL
-    head) reads W through the order (no 2-D ``VocabOrder.rows`` call: W is never copied), the fused strategy
-    (``reduction="mean"``) takes the sorted copy of W; both give the float64 reference's loss and gradients
-    at a tiny eps (spied calls of ``VocabOrder.rows``: 1 = a vector, 2 = W)."""
+@pytest.mark.parametrize("order", [None, "copy"])
+def test_filter_order_default_reads_w_through_the_order(gather_tiles, monkeypatch, order):
+    """The default Settings(filter_order="gather") never copies W in either strategy (the recompute one:
+    ``logprobs_and_entropy``, 4 vocab chunks; the fused one: ``reduction="mean"``): no 2-D
+    ``VocabOrder.rows`` call (spied: 1 = a vector, 2 = W); "copy" takes W's sorted rows in both. Each
+    against the float64 reference's gradients at a tiny eps."""
     from flce_dist.vocab_order import VocabOrder
 
     x, w, t = _inputs(37, v=131)
     s = gather_tiles.replace(chunk_bytes=40 * x.shape[0] * 4)  # recompute: 4 vocab chunks
-    assert settings.Settings().filter_order == s.filter_order == "auto"
+    assert settings.Settings().filter_order == s.filter_order == "gather"
+    if order is not None:
+        s = s.replace(filter_order=order)
     dims = []
     rows = VocabOrder.rows
     monkeypatch.setattr(VocabOrder, "rows", lambda self, a, *r: dims.append(a is not None and a.dim()) or
@@ -429,27 +432,25 @@ def test_filter_order_auto_gathers_in_the_recompute_strategy_only(gather_tiles, 
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     lp64, ent64 = flce_dist.reference_logprobs_and_entropy(x64, w64, t)
     (lp64.sum() + 0.3 * ent64.sum()).backward()
-    got = grads(lambda xs, ws: (lambda lp, ent: lp.sum() + 0.3 * ent.sum())(
+    recompute = grads(lambda xs, ws: (lambda lp, ent: lp.sum() + 0.3 * ent.sum())(
         *flce_dist.logprobs_and_entropy(xs, ws, t, grad_filter_eps=1e-30, settings=s)))
-    assert dims and 2 not in dims, dims  # recompute: W through the order, never copied
-    for g_, r_ in zip(got, (x64.grad, w64.grad)):
-        assert rel(g_.double(), r_) < 1e-5, rel(g_.double(), r_)
-
-    dims.clear()
+    want = [x64.grad, w64.grad]
+    recompute_dims, dims[:] = list(dims), []
     x64.grad = w64.grad = None
     flce_dist.reference_loss(x64, w64, t).backward()
-    got = grads(lambda xs, ws: flce_dist.fused_linear_cross_entropy(xs, ws, t, grad_filter_eps=1e-30, settings=s))
-    assert 2 in dims, dims  # fused: the sorted copy of W
-    for g_, r_ in zip(got, (x64.grad, w64.grad)):
+    fused = grads(lambda xs, ws: flce_dist.fused_linear_cross_entropy(xs, ws, t, grad_filter_eps=1e-30, settings=s))
+    assert recompute_dims and dims
+    copies = (2 in recompute_dims, 2 in dims)
+    assert copies == ((False, False) if order is None else (True, True)), (recompute_dims, dims)
+    for g_, r_ in zip(recompute + fused, want + [x64.grad, w64.grad]):
         assert rel(g_.double(), r_) < 1e-5, rel(g_.double(), r_)
 
 
 def test_filter_order_setting_is_checked():
     with pytest.raises(ValueError, match="filter_order"):
         settings.Settings(filter_order="sorted")
-    assert [(o, settings.Settings(filter_order=o).filter_gathers(r)) for o in ("auto", "copy", "gather")
-            for r in (False, True)] == [("auto", False), ("auto", True), ("copy", False), ("copy", False),
-                                        ("gather", True), ("gather", True)]
+    with pytest.raises(ValueError, match="filter_order"):
+        settings.Settings(filter_order="auto")
     assert settings.Settings(filter_order="gather").astuple()[-1] == "gather"
     with settings.override(filter_order="gather") as s:
         assert settings.current().filter_order == "gather" and s.filter_order == "gather"

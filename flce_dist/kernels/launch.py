@@ -554,7 +554,7 @@ def _masked_mm(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.
     if a.numel() == 0:
         if accumulate:
             return out
-        return out.zero_() if out_perm is None else out.index_fill_(0, out_perm, 0)
+        return out.zero_() if out_perm is None else out.index_fill_(0, out_perm.long(), 0)  # int64 index
     if _torch_masked(a.dtype, *a.shape, b.shape[1]):
         from .masked_mm import masked_mm_reference
 

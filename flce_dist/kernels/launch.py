@@ -244,11 +244,28 @@ def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch
     if len(set(tensors)) != len(tensors):
         raise AssertionError(f"kernels/launch.py: {name} was passed the same tensor object twice")
     full, bound, first = _bind(name, args, device, dtype, settings, variant, h, blocks)
+    if device.type == "cuda":
+        _triton_allocator()
     if first:
         with warnings.catch_warnings():  # the first call compiles: see kernels/common.py
             warnings.filterwarnings("ignore", message="max_num_sm_multipler is reduced", category=UserWarning)
             return bound(*full)
     return bound(*full)
+
+
+def _triton_allocator() -> None:
+    """Triton's allocator for a config whose kernel builds TMA descriptors on the device (``tensor_descriptor``
+    indexing) is a context variable: set in the thread that first ran such a kernel, unset in another, e.g.
+    autograd's backward thread, where the recompute strategy's logits pass runs (run 30: "Kernel requires a
+    runtime memory allocation, but no allocator was set" from the gathered logits pass in backward). Helion's
+    own setter, a no-op where one is set (a context-variable read per launch)."""
+    global _SET_ALLOCATOR
+    if _SET_ALLOCATOR is None:
+        from helion.runtime import set_triton_allocator as _SET_ALLOCATOR
+    _SET_ALLOCATOR()
+
+
+_SET_ALLOCATOR = None
 
 
 def degenerate(*sizes: int) -> bool:

@@ -292,14 +292,16 @@ def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, 
         med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
         r.update(rounds_ms=statistics.median(per_round[r["impl"]]), vs_flce=med, vs_flce_min=lo, vs_flce_max=hi,
                  rounds_x3dist=vs_mm[r["impl"]][0])
-    peers = {k: v for k, v in vs_flce.items()
-             if k not in ("3mm", "flce_filter", "flce_filter_gather", "flce_filter_copy")}
+    # peers: not the matmuls, not flce's own variants (the filter rows, another chunk budget or backend)
+    peers = {k: v for k, v in vs_flce.items() if k != "3mm" and not k.startswith("flce")}
     line = f"  interleaved, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
            f"{vs_mm['flce'][0]:.3f}x the three matmuls"
     if peers:
         best = min(peers, key=lambda k: peers[k][0])
         med, lo, hi = peers[best]
         line += f"; closest exact-or-default peer {best}: flce ahead by {100 * (med - 1):+.1f}% (rounds {100 * (lo - 1):+.1f}..{100 * (hi - 1):+.1f}%)"
+        line += "".join(f"; {k} {100 * (m - 1):+.1f}% ({100 * (a - 1):+.1f}..{100 * (b - 1):+.1f}%)"
+                        for k, (m, a, b) in sorted(peers.items()) if k != best)
     print(line, flush=True)
 
 

@@ -782,3 +782,26 @@ def test_bench_filter_rows_run_their_vocab_order(monkeypatch):
     for k in ("flce_filter_copy", "flce_filter_gather", "flce_filter"):
         impls[k](x.bfloat16(), w.bfloat16(), t).backward()
     assert seen == ["copy", "gather", "gather"]
+
+
+def test_bench_rounds_compare_flce_with_peers_not_its_own_variants(monkeypatch, capsys):
+    """The rounds' summary line names the closest *peer*: flce's own rows (another chunk budget, the filter)
+    are not peers (run 30's line named ``flce_onechunk``); every other peer follows with its median and spread."""
+    bench = pytest.importorskip("bench")
+    from flce_dist import _timing
+
+    base = {"3mm": 1.0, "flce": 1.04, "flce_onechunk": 1.0, "A": 1.04 * 1.03, "B": 1.04 * 1.05}
+    fns = {}
+    for k in base:
+        fn = (lambda: None)
+        fn.name = k
+        fns[k] = fn
+    monkeypatch.setattr(bench, "interleaved_ms", lambda f, rounds: _timing.interleaved_ms(
+        {k: fns[k] for k in f}, rounds, lambda fn: base[fn.name]))
+    monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
+    names = ("flce", "flce_onechunk", "A", "B")
+    rows = [dict(shape="s", data="random", impl=k) for k in names]
+    bench.interleave(rows, {k: fns[k] for k in names}, torch.randn(5, 3), torch.randn(7, 3), 2)
+    out = capsys.readouterr().out
+    assert "closest exact-or-default peer A: flce ahead by +3.0% (rounds +3.0..+3.0%); B +5.0% (+5.0..+5.0%)" in out
+    assert rows[1]["vs_flce"] == pytest.approx(1.0 / 1.04)  # the variant's row still has its ratio

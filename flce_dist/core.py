@@ -190,6 +190,13 @@ def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bo
                       row_extra_bytes=extra)
 
 
+def _gathered(order: VocabOrder, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None) -> tuple:
+    """The gradient filter's ``filter_order="gather"`` inputs: the order's int32 index and the rows per
+    gathered block of W (``chunking.gather_rows``, for cuBLAS logits)."""
+    return order.perm32, gather_rows(w.shape[0], w.shape[1] * w.element_size(), w.device, p.settings,
+                                     share=group_size(group))
+
+
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                            g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, rows: int, guard: _Guard,
                            need_dx: bool = True, need_dw: bool = True, reduce_dx: bool = True):
@@ -205,8 +212,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     if eps and n:  # the gradient filter works on the shard sorted by mean logit (vocab_order.py)
         order = VocabOrder.by_mean_logit(x, w, b, g.abs())
         if p.settings.filter_order == "gather":  # no sorted copy of W: read and written through perm
-            perm = order.perm32
-            grows = gather_rows(v, w.shape[1] * w.element_size(), x.device, p.settings, share=group_size(group))
+            perm, grows = _gathered(order, w, p, group)
         else:
             w = order.rows(w)
         b, tl = order.rows(b), order.targets(tl)
@@ -325,8 +331,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         order = VocabOrder.by_mean_logit(x, w, b, row_scale)
         tl = order.targets(tl)
         if p.settings.filter_order == "gather":  # no copy of the chunk's sorted rows of W: read through perm
-            perm = order.perm32
-            grows = gather_rows(v, w.shape[1] * w.element_size(), x.device, p.settings, share=group_size(group))
+            perm, grows = _gathered(order, w, p, group)
             no_tgt = torch.full((n,), -1, dtype=tl.dtype, device=x.device)  # its statistics are not used
     if n == 0:
         v = 0

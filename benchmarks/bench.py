@@ -65,6 +65,25 @@ def torch_lce():
     return lambda x, w, t: F.linear_cross_entropy(x, w, t, options=torch.nn.LinearCrossEntropyOptions())
 
 
+def filter_impls(rt) -> dict:
+    """flce's gradient-filter rows (``rt``: the tree's settings module): ``flce_filter`` at CCE's default
+    threshold (2^-12 for 16-bit inputs) in the default vocabulary order, ``flce_filter_gather`` /
+    ``flce_filter_copy`` in that ``Settings.filter_order`` (trees without the option: no such rows)."""
+    impls = {}
+    if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
+        impls["flce_filter"] = lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
+    if "filter_order" in inspect.signature(rt.override).parameters:
+        # without the sorted copy of the weight shard ("gather", the default from run 30) and with it ("copy")
+        def filter_in(order):
+            def run(x, w, t):
+                with rt.override(filter_order=order):
+                    return flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
+            return run
+
+        impls["flce_filter_gather"], impls["flce_filter_copy"] = filter_in("gather"), filter_in("copy")
+    return impls
+
+
 def _impls():
     try:
         from flce_dist import settings as rt
@@ -83,19 +102,7 @@ def _impls():
     impls["flce_onechunk"] = flce("auto", chunk_bytes=4200 << 20)
     if "grad_form" in inspect.signature(rt.override).parameters:  # the gradient as logits + chunk_grad_ (before rowscale.py)
         impls["flce_chunkgrad"] = flce("auto", grad_form="chunk_grad")
-    if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
-        # the opt-in gradient filter at CCE's default threshold (2^-12 for 16-bit inputs)
-        impls["flce_filter"] = lambda x, w, t: flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
-    if "filter_order" in inspect.signature(rt.override).parameters:
-        # the filter without the sorted copy of the weight shard (Settings(filter_order="gather"), the default
-        # from run 30) and with it ("copy", the default before)
-        def filter_in(order):
-            def run(x, w, t):
-                with rt.override(filter_order=order):
-                    return flce_dist.fused_linear_cross_entropy(x, w, t, grad_filter_eps="auto")
-            return run
-
-        impls["flce_filter_gather"], impls["flce_filter_copy"] = filter_in("gather"), filter_in("copy")
+    impls.update(filter_impls(rt))
     impls["torch"] = lambda x, w, t: F.cross_entropy((x @ w.T).float(), t)
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss

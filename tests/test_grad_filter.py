@@ -446,6 +446,22 @@ def test_filter_order_default_reads_w_through_the_order(gather_tiles, monkeypatc
         assert rel(g_.double(), r_) < 1e-5, rel(g_.double(), r_)
 
 
+@pytest.mark.parametrize("dtype, n", [(torch.float64, 9), (torch.float32, 1)])
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+def test_filter_gather_order_on_the_torch_reference_path(gather_tiles, strategy, dtype, n):
+    """float64 (no ``hl.dot``) and a size-1 dim (one token; Helion 1.4 mis-compiles it) take masked_mm's torch
+    reference, which gets the default gather order's int32 index for dW's rows (torch's ``index_copy_`` takes
+    int64 only: this raised before): both strategies against the float64 reference at a tiny eps."""
+    x, w, t = _inputs(41, n=max(n, 6), v=131, dtype=dtype)
+    x, t = x[:n], t[:n].clamp(min=0)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    flce_dist.fused_linear_cross_entropy(xs, ws, t, grad_filter_eps=1e-30, strategy=strategy).backward()
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    flce_dist.reference_loss(x64, w64, t).backward()
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert rel(xs.grad.double(), x64.grad) < tol and rel(ws.grad.double(), w64.grad) < tol
+
+
 def test_filter_order_setting_is_checked():
     with pytest.raises(ValueError, match="filter_order"):
         settings.Settings(filter_order="sorted")

@@ -110,4 +110,4 @@ def masked_mm_reference(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, ou
         return out.add_(part) if accumulate else out.copy_(part)
     if accumulate:
         part = part + out.index_select(0, out_perm)
-    return out.index_copy_(0, out_perm, part.to(out.dtype))
+    return out.index_copy_(0, out_perm.long(), part.to(out.dtype))  # the kernels' int32 index; torch wants int64

@@ -260,7 +260,7 @@ def main() -> None:
                   f"  extra {mem - grads_gib:.2f} GiB", flush=True)
             torch.cuda.empty_cache()
         if args.rounds:
-            interleave(rows[case_start:], steps, x, w, args.rounds)
+            interleave(rows[case_start:], steps, x, w, args.rounds, plan)
         del x, w, t, steps
         torch.cuda.empty_cache()
         common.save(rows, common.csv_name(f"bench_{args.dtype}", args.data), args)
@@ -279,30 +279,43 @@ def fwd_bwd_steps(impls: dict, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor
     return {k: common.fwd_bwd(functools.partial(fn, x, w, t), x, w) for k, fn in impls.items()}
 
 
-def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, rounds: int) -> None:
+def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, rounds: int, plan: int = 0) -> None:
     """For ``rows``, one case's impl rows (the impls that ran; ``steps`` from :func:`fwd_bwd_steps`): the steady
     fwd+bwd of each and of the three distinct matmuls, timed again in ``rounds``
     interleaved rounds (``_timing.interleaved_ms``): adds ``rounds_ms`` (median over rounds), ``vs_flce``
     (median of the per-round ratio to flce; > 1 = slower than flce) with its spread ``vs_flce_min`` /
     ``vs_flce_max``, and ``rounds_x3dist`` (median per-round ratio to the three matmuls) to the case's rows,
-    and prints flce's lead over its closest peer. Nothing without a flce row."""
+    and prints flce's lead over its closest peer. With ``plan`` (flce's chunk rows, ``common.chunk_plan``;
+    run 31) the plan's cuBLAS work alone (``_timing.chunked_matmuls``) is a round entry too and each row gets
+    ``rounds_xplan`` (median per-round ratio to it): what flce costs over its own chunk plan, measured as
+    the peers are, not from one single timing. Nothing without a flce row."""
     timed = {r["impl"]: steps[r["impl"]] for r in rows}
     if "flce" not in timed:
         return
-    fns = {"3mm": three_matmuls(x.detach(), w.detach()), **timed}
+    fns = {"3mm": three_matmuls(x.detach(), w.detach())}
+    if plan and chunked_matmuls is not None:
+        fns["plan"] = chunked_matmuls(x.detach(), w.detach(), plan)
+    fns.update(timed)
     per_round = interleaved_ms(fns, rounds)
     vs_flce = paired_ratios(per_round, "flce")
     vs_mm = paired_ratios(per_round, "3mm")
+    vs_plan = paired_ratios(per_round, "plan") if "plan" in fns else {}
     del fns
     torch.cuda.empty_cache()
     for r in rows:
         med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
         r.update(rounds_ms=statistics.median(per_round[r["impl"]]), vs_flce=med, vs_flce_min=lo, vs_flce_max=hi,
                  rounds_x3dist=vs_mm[r["impl"]][0])
+        if r["impl"] in vs_plan:
+            r["rounds_xplan"] = vs_plan[r["impl"]][0]
     # peers: not the matmuls, not flce's own variants (the filter rows, another chunk budget or backend)
-    peers = {k: v for k, v in vs_flce.items() if k != "3mm" and not k.startswith("flce")}
+    peers = {k: v for k, v in vs_flce.items() if k not in ("3mm", "plan") and not k.startswith("flce")}
     line = f"  interleaved, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
            f"{vs_mm['flce'][0]:.3f}x the three matmuls"
+    if vs_plan:
+        lo_hi = vs_plan['flce']
+        line += f" = {lo_hi[0]:.3f}x its {plan}-row plan's cuBLAS work ({statistics.median(per_round['plan']):.2f} ms;" \
+                f" rounds {lo_hi[1]:.3f}..{lo_hi[2]:.3f})"
     if peers:
         best = min(peers, key=lambda k: peers[k][0])
         med, lo, hi = peers[best]

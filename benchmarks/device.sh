@@ -27,9 +27,11 @@ small_train() { NGPU=$1 TORCHRUN=torchrun CONFIG=$SMALL timeout "$2" bash launch
 # no work: only the wheel install (for a command after it in the same call)
 step_none() { :; }
 
-# GPU test suite, tests/test_gpu.py -m gpu (TESTS_K: a -k filter)
+# GPU test suite, tests/test_gpu.py -m gpu (TESTS_K: a -k filter; TESTS_N: pytest-xdist workers on the one GPU,
+# carried as a wheel in .whl: the Helion/Triton compiles are host work on 16 cores; TESTS_TIMEOUT=450)
 step_tests() {
-  timeout 450 python3 -m pytest -q -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | flt \
+  timeout ${TESTS_TIMEOUT:-450} python3 -m pytest -q -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} \
+    ${TESTS_N:+-n "$TESTS_N"} 2>&1 | flt \
     | tee "$OUT/gpu_tests.log" | tail -8
 }
 

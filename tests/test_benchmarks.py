@@ -728,6 +728,20 @@ def test_interleaved_rounds_pair_each_round(monkeypatch, capsys):
     assert rows[1]["vs_flce"] == 1.0 and rows[1]["rounds_x3dist"] == pytest.approx(1.04)
     out = capsys.readouterr().out
     assert "closest exact-or-default peer A: flce ahead by -5.0%" in out
+    # with flce's chunk plan (run 31): its cuBLAS work is a round entry, never a peer; rows get rounds_xplan
+    base["plan"] = 1.01
+    plan_fn = (lambda: None)
+    plan_fn.name = "plan"
+    fns["plan"] = plan_fn
+    made = []
+    monkeypatch.setattr(bench, "chunked_matmuls", lambda x_, w_, rows_: made.append(rows_) or plan_fn)
+    calls[:] = []
+    bench.interleave(rows[1:], {k: fns[k] for k in ("flce", "A", "B")}, x, w, 3, plan=4)
+    assert made == [4] and "plan" in calls
+    assert rows[1]["rounds_xplan"] == pytest.approx(1.04 / 1.01) and rows[3]["rounds_xplan"] == pytest.approx(1.04 * 1.02 / 1.01)
+    out = capsys.readouterr().out
+    assert f"= {1.04 / 1.01:.3f}x its 4-row plan's cuBLAS work" in out
+    assert "closest exact-or-default peer A" in out and "plan " not in out.split("closest")[1]
 
 
 def test_bench_steps_bind_each_impl_and_csv_takes_new_columns(tmp_path, monkeypatch):

@@ -270,6 +270,18 @@ step_tunegather() {
   keep_config
 }
 
+# the tuner on the fused strategy's storing pass at several chunks, settled in interleaved rounds (run 31;
+# STORE_RUNS="N:H:V:rows ...", default llama3, qwen3 and 32768 x 32000 at their default chunks; TUNE_ROUNDS=5;
+# writes each shape's winner to its own JSON under $OUT, never to the shipped file)
+step_tunestorer() {
+  for run in ${STORE_RUNS:-8192:4096:128256:2816 8192:4096:151936:2816 32768:4096:32000:11008}; do
+    IFS=: read -r n h v rows <<< "$run"
+    timeout ${TUNE_TIMEOUT:-150} python3 -m flce_dist.tune --only lse_forward_store --candidates all --rounds ${TUNE_ROUNDS:-5} \
+      --n "$n" --h "$h" --v "$v" --rows "$rows" --out "$OUT/store_${v}_${rows}.json" 2>&1 | flt \
+      | tee "$OUT/tune_store_${v}_${rows}.log" | grep "cuBLAS\|rounds:\|wrote"
+  done
+}
+
 # the tuner on one shape class's logits passes (TUNE_H=2304, TUNE_V=262208: gemma's)
 step_tunecls() {
   timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class \

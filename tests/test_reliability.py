@@ -201,6 +201,35 @@ def test_tune_specs_launch_the_kernels_as_the_loss_does():
         kern(*args, *(small[k] for k in launch.BLOCK_ORDER[kind]))
 
 
+def test_tune_settle_needs_a_win_in_every_round():
+    """``tune --rounds``: a candidate replaces the shipped entry only if it is faster in every interleaved round
+    (a drift common to a round cancels in the per-round ratio); a candidate that wins on the median but loses one
+    round does not, nor does the reference matmul, however fast."""
+    from flce_dist import tune
+
+    def run(times):
+        calls = {k: 0 for k in times}
+
+        def timer(fn):
+            k = fn.label
+            i = calls[k]
+            calls[k] += 1
+            return times[k][i] * 1.1 ** i  # every round 10% slower than the last: cancels per round
+
+        fns = {}
+        for k in times:
+            f = (lambda: None)
+            f.label = k
+            fns[k] = f
+        return tune.settle(fns, "c0", 3, timer)
+
+    win, stats = run({"matmul": [1.0] * 3, "c0": [2.0] * 3, "c1": [1.9, 1.9, 1.9], "c2": [1.8, 1.8, 1.8]})
+    assert win == "c2" and stats["c2"][1] == pytest.approx(0.9) and stats["c0"][1:3] == (1.0, 1.0)
+    assert stats["c2"][3] == pytest.approx(1.8) and "matmul" not in stats
+    win, stats = run({"matmul": [0.5] * 3, "c0": [2.0] * 3, "c1": [1.5, 1.5, 2.1]})  # median win, one lost round
+    assert win == "c0" and stats["c1"][1] == pytest.approx(0.75) and stats["c1"][2] > 1.0
+
+
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 def test_double_backward_is_refused(strategy):
     """create_graph=True (a gradient penalty) would get gradients without a graph: refuse it clearly."""

@@ -282,6 +282,25 @@ step_tunestorer() {
   done
 }
 
+# after tunestorer: per "V_rows:N:shapes" in STORE_CHECKS whose search picked another entry than the shipped one,
+# bench.py --rounds (flce, Liger C16; random) with the shipped configs, then with that winner merged into a copy
+# of them (FLCE_CONFIG_DIR): one process each, C16 the anchor they share (ISSUE_ROUNDS=4)
+step_storecheck() {
+  for chk in ${STORE_CHECKS:-151936_2816:8192:qwen3 32000_11008:32768:4096x32000}; do
+    IFS=: read -r tag n shapes <<< "$chk"
+    js="$OUT/store_${tag}.json"
+    [ -f "$js" ] || { echo "storecheck: no $js"; continue; }
+    grep -q "kept the shipped entry" "$js" && { echo "storecheck $tag: the shipped entry kept"; continue; }
+    mkdir -p "/tmp/alt_$tag"
+    python3 -c "import json,sys; s=json.load(open('$CFG')); s['lse_forward_store']['bf16']=json.load(open('$js'))['lse_forward_store']['bf16']; json.dump(s, open('/tmp/alt_$tag/h200.json','w'), indent=1)"
+    for cd in "" "/tmp/alt_$tag"; do
+      FLCE_CONFIG_DIR=$cd timeout ${ISSUE_TIMEOUT:-150} python3 benchmarks/bench.py --n "$n" --shapes "$shapes" \
+        --impls flce,liger_c16 --data random --reps 3 --rounds ${ISSUE_ROUNDS:-4} --out "$OUT" 2>&1 | flt \
+        | tee -a "$OUT/storecheck_${tag}.log" | grep "interleaved" | sed "s|^|[${cd:-shipped}] |"
+    done
+  done
+}
+
 # the tuner on one shape class's logits passes (TUNE_H=2304, TUNE_V=262208: gemma's)
 step_tunecls() {
   timeout 360 python3 -m flce_dist.tune --h ${TUNE_H:-2304} --v ${TUNE_V:-262208} --shape-class \

@@ -866,6 +866,48 @@ def test_launch_cache_maps_to_what_a_full_bind_gives(monkeypatch):
     assert len(launch._CACHE) == 1
 
 
+def test_launch_cache_runs_each_settings_own_config(monkeypatch):
+    """Two ``Settings(config_dir=...)`` whose entries differ only in the ``helion.Config`` (same block sizes, so
+    Helion hands both the same BoundKernel) used in turn in one process: each launch runs its own config. Before
+    run 31 the bound kernel kept the config of its first launch and a later config_dir was silently ignored on
+    CUDA. A fake kernel stands in for Helion's (``set_config`` is CUDA-only)."""
+    from flce_dist import settings
+    from flce_dist.kernels import launch
+
+    cfgs = {"A": {"num_warps": 8, "num_stages": 3}, "B": {"num_warps": 4, "num_stages": 2}}
+    sets = []
+
+    class Bound:
+        def set_config(self, c):
+            sets.append(dict(num_warps=c.num_warps, num_stages=c.num_stages))
+
+    bound = Bound()
+
+    class Kernel:
+        def bind(self, full):
+            return bound
+
+    def entry(name, device, dtype, variant="", h=None, settings=None):
+        # a fresh dict per lookup, as a merged entry would be: equal configs must not re-set
+        return {"block": {"block_n": 16, "block_t": 256}, "config": dict(cfgs[settings.config_dir])}
+
+    monkeypatch.setattr(launch, "_kernels", lambda: {"merge": Kernel()})
+    monkeypatch.setattr(launch, "entry", entry)
+    monkeypatch.setattr(launch, "_CACHE", {})
+    monkeypatch.setattr(launch, "_CONFIGURED", {})
+    cuda = torch.device("cuda")  # only the launch cache's bookkeeping runs: no tensor goes to a device
+    a, b = settings.Settings(config_dir="A"), settings.Settings(config_dir="B")
+    x = torch.randn(3, 4)
+    order = [a, a, b, b, a, a, b]
+    firsts = [launch._bind("merge", (x,), cuda, x.dtype, s, "", None, None)[2] for s in order]
+    want = [cfgs["A"], cfgs["B"], cfgs["A"], cfgs["B"]]
+    assert sets == want
+    assert firsts == [True] + [False] * 6
+    x2 = torch.randn(5, 4)  # another cache key, same bound kernel, same config as the last: no re-set
+    launch._bind("merge", (x2,), cuda, x2.dtype, b, "", None, None)
+    assert len(sets) == 4
+
+
 @pytest.mark.parametrize("softcap", [0.0, 2.5])
 def test_target_dot_and_the_pass_without_targets(softcap):
     """kernels/target_dot.py (reference mode, several token tiles, a partial last one, rows without a

@@ -168,7 +168,25 @@ def _kernels() -> dict[str, Any]:
             "merge": merge_stats, "row_prepare": row_prepare, "target_rows": target_rows, "token_rows": token_rows}
 
 
-_CONFIGURED: set[int] = set()
+# id(bound kernel) -> the config dict it runs (CUDA; None on CPU, where reference mode takes no config). Helion
+# binds one BoundKernel per specialisation key, and the block sizes are arguments, so two entries that differ only
+# in their helion.Config (another Settings(config_dir=...) in the same process) share one: each launch re-sets the
+# config where the last launch of that bound kernel ran another (a compile-cache hit after the first time).
+_CONFIGURED: dict[int, Any] = {}
+
+
+def _configure(bound: Any, device: torch.device, cfg: dict[str, Any]) -> None:
+    """Make ``bound`` run ``cfg`` (CUDA) unless it already does."""
+    if device.type != "cuda":
+        _CONFIGURED[id(bound)] = None
+        return
+    cur = _CONFIGURED.get(id(bound))
+    if cur is cfg or cur == cfg:
+        return
+    import helion
+
+    bound.set_config(helion.Config(**cfg))
+    _CONFIGURED[id(bound)] = cfg
 
 
 def _ensure_mode(device: torch.device) -> None:
@@ -182,11 +200,11 @@ def _ensure_mode(device: torch.device) -> None:
 
 
 # The launch cache: (kernel, device, dtype, variant, h, config_dir, block overrides, blocks, exact argument
-# metadata) -> (block values, bound kernel). A repeat call skips the config lookup and Helion's specialisation
+# metadata) -> (block values, bound kernel, config). A repeat call skips the config lookup and Helion's specialisation
 # key (bucketed sizes per argument, ~15-20 us per launch on the host); the metadata key (dtype, shape, stride,
 # device per tensor; type and value per scalar) is finer than Helion's key, so a hit always maps to the bound
 # kernel a full bind() would return. Bounded: cleared when it holds _CACHE_MAX entries (varying token counts).
-_CACHE: dict[tuple[Any, ...], tuple[tuple[int, ...], Any]] = {}
+_CACHE: dict[tuple[Any, ...], tuple[tuple[int, ...], Any, dict[str, Any]]] = {}
 _CACHE_MAX = 4096
 
 
@@ -213,6 +231,8 @@ def _bind(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.d
                                         None if not blocks else tuple(sorted(blocks.items())), arg_key)
     hit = None if key is None else _CACHE.get(key)
     if hit is not None:
+        if _CONFIGURED.get(id(hit[1])) is not hit[2]:  # another config ran on this bound kernel since
+            _configure(hit[1], device, hit[2])
         return (*args, *hit[0]), hit[1], False
     _ensure_mode(device)
     e = entry(name, device, dtype, variant, h, settings)
@@ -221,16 +241,12 @@ def _bind(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.d
     full = (*args, *tail)
     bound = _kernels()[name].bind(full)
     first = id(bound) not in _CONFIGURED
-    if first:
-        if device.type == "cuda":
-            import helion
-
-            bound.set_config(helion.Config(**e["config"]))
-        _CONFIGURED.add(id(bound))
+    cfg = e["config"] if device.type == "cuda" else None
+    _configure(bound, device, cfg)
     if key is not None:
         if len(_CACHE) >= _CACHE_MAX:
             _CACHE.clear()
-        _CACHE[key] = (tail, bound)
+        _CACHE[key] = (tail, bound, _CONFIGURED[id(bound)])
     return full, bound, first
 
 

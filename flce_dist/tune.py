@@ -95,10 +95,12 @@ def _time(fn, reps=20, warmup=3):
 
 
 def _run(kernel, args, cand, order):
+    """A call of ``kernel`` on ``args`` and ``cand``'s block sizes that runs ``cand``'s own compiled config (CUDA).
+    Candidates with the same block sizes share one Helion BoundKernel, whose ``set_config`` would switch the calls
+    of every earlier such candidate too: ``--rounds`` holds several at once, so each call keeps its compiled form."""
     full = (*args, *(cand["block"][k] for k in order))
-    bound = kernel.bind(full)
-    bound.set_config(helion.Config(**cand["config"]))
-    return lambda: bound(*full)
+    compiled = kernel.bind(full).compile_config(helion.Config(**cand["config"]))
+    return lambda: compiled(*full)
 
 
 # the storing pass of the gradient filter's gather order (Settings(filter_order="gather"), run 26): W's tiles come

@@ -201,6 +201,32 @@ def test_tune_specs_launch_the_kernels_as_the_loss_does():
         kern(*args, *(small[k] for k in launch.BLOCK_ORDER[kind]))
 
 
+def test_tune_run_keeps_each_candidates_config(monkeypatch):
+    """``tune._run`` for two candidates with the same block sizes (one Helion BoundKernel): each returned call runs
+    its own compiled config, also after the other was made (a ``set_config`` on the shared bound kernel, as before
+    run 31, would run the last candidate's config under both names in ``--rounds``). Fake kernel: compiling needs CUDA."""
+    from flce_dist import tune
+
+    ran = []
+
+    class Bound:
+        def compile_config(self, cfg):
+            return lambda *a: ran.append((cfg.num_warps, a[-1]))
+
+    class Kernel:
+        bound = Bound()
+
+        def bind(self, full):
+            return self.bound
+
+    cands = [{"block": {"block": 64}, "config": {"num_warps": w, "num_stages": 1}} for w in (4, 8)]
+    calls = [tune._run(Kernel(), ("x",), c, ("block",)) for c in cands]
+    calls[0]()
+    calls[1]()
+    calls[0]()
+    assert ran == [(4, 64), (8, 64), (4, 64)]
+
+
 def test_tune_settle_needs_a_win_in_every_round():
     """``tune --rounds``: a candidate replaces the shipped entry only if it is faster in every interleaved round
     (a drift common to a round cancels in the per-round ratio); a candidate that wins on the median but loses one

@@ -313,9 +313,9 @@ def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, 
     line = f"  interleaved, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
            f"{vs_mm['flce'][0]:.3f}x the three matmuls"
     if vs_plan:
-        lo_hi = vs_plan['flce']
-        line += f" = {lo_hi[0]:.3f}x its {plan}-row plan's cuBLAS work ({statistics.median(per_round['plan']):.2f} ms;" \
-                f" rounds {lo_hi[1]:.3f}..{lo_hi[2]:.3f})"
+        med, lo, hi = vs_plan["flce"]
+        line += f" = {med:.3f}x its {plan}-row plan's cuBLAS work ({statistics.median(per_round['plan']):.2f} ms;" \
+                f" rounds {lo:.3f}..{hi:.3f})"
     if peers:
         best = min(peers, key=lambda k: peers[k][0])
         med, lo, hi = peers[best]

@@ -120,8 +120,10 @@ CANDIDATE_SETS = {"default": (LSE_CANDIDATES, LSE_STORE_CANDIDATES), "persistent
 
 
 def specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates="default"):
-    """(name, kernel, args without the block sizes, candidates, BLOCK_ORDER key, reference ms) per
-    searched kernel; the args match what kernels/launch.py passes (int32 local targets)."""
+    """(name, kernel, args without the block sizes, candidates, BLOCK_ORDER key, reference matmul) per
+    searched kernel; the args match what kernels/launch.py passes (int32 local targets). ``mm``, ``smm``,
+    ``zmm``: the cuBLAS matmuls a kernel is timed against (the whole ``x @ W.T``, the storing pass's chunk,
+    the chunk kernels' chunk), passed through as given (``search``: callables, timed once each)."""
     rows, store_rows = z.shape[0], zs.shape[0]
     dummy = lse.new_zeros(1)  # the [1] ref of a pass that stores no exponentials
     perm = t.new_zeros(1)  # the [1] w_perm of a pass in the shard's own order
@@ -163,20 +165,18 @@ def search(n, h, v, dtype, rows=2816, store_rows=2816, only=(), candidates="defa
     x = torch.randn(n, h, device=dev, dtype=dtype, generator=g)
     w = torch.randn(v, h, device=dev, dtype=dtype, generator=g) * h**-0.5
     t = torch.randint(0, v, (n,), device=dev, generator=g).to(torch.int32)  # as launch passes local targets
-    mm = _time(lambda: x @ w.T)
     z = x[:rows] @ w.T
-    zmm = _time(lambda: x[:rows] @ w.T)
     lse = torch.logsumexp(z.float(), 1)
     gw = torch.rand(rows, device=dev)
     zs = torch.empty(store_rows, v, device=dev, dtype=dtype)  # the fused strategy's chunk
-    smm = _time(lambda: x[:store_rows] @ w.T)
-    print(f"cuBLAS x@W.T {mm:.3f} ms;  chunk [{rows}, {v}] matmul {zmm:.3f} ms;  [{store_rows}, {v}] {smm:.3f} ms")
-    # --rounds: each kernel's matmul (the one its ratio is against), timed in the rounds beside it
-    ref_fns = {"lse_forward": lambda: x @ w.T, "lse_forward_store": lambda: x[:store_rows] @ w.T,
-               "lse_forward_store_gather": lambda: x[:store_rows] @ w.T, "chunk_stats": lambda: x[:rows] @ w.T,
-               "chunk_grad": lambda: x[:rows] @ w.T}
+    # each kernel's cuBLAS matmul: timed once here for the ratios, and again beside it in --rounds
+    mm, zmm, smm = (lambda: x @ w.T), (lambda: x[:rows] @ w.T), (lambda: x[:store_rows] @ w.T)
+    ref_ms = {f: _time(f) for f in (mm, zmm, smm)}
+    print(f"cuBLAS x@W.T {ref_ms[mm]:.3f} ms;  chunk [{rows}, {v}] matmul {ref_ms[zmm]:.3f} ms;  "
+          f"[{store_rows}, {v}] {ref_ms[smm]:.3f} ms")
     best, how = {}, {}
-    for name, kern, args, cands, kind, ref in specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates):
+    for name, kern, args, cands, kind, ref_fn in specs(x, w, t, z, zs, lse, gw, mm, smm, zmm, candidates):
+        ref = ref_ms[ref_fn]
         if only and name not in only:
             continue
         order = L.BLOCK_ORDER[kind]
@@ -200,13 +200,14 @@ def search(n, h, v, dtype, rows=2816, store_rows=2816, only=(), candidates="defa
         x_ref, note = ms / ref, ""
         if rounds and any(r[1] == shipped for r in results):
             fin = [shipped] + [r[1] for r in sorted(results, key=lambda r: r[0]) if r[1] != shipped][:FINALISTS - 1]
-            fns = {"matmul": ref_fns[name], **{f"c{i}": _run(kern, args, f, order) for i, f in enumerate(fin)}}
-            win, stats = settle(fns, "c0", rounds)
-            for i, f in enumerate(fin):
-                med, r_med, r_max, r_mm = stats[f"c{i}"]
+            labels = {f"c{i}": f for i, f in enumerate(fin)}  # c0: the shipped entry
+            win, stats = settle({"matmul": ref_fn, **{k: _run(kern, args, f, order) for k, f in labels.items()}},
+                                "c0", rounds)
+            for k, f in labels.items():
+                med, r_med, r_max, r_mm = stats[k]
                 print(f"  {name:12} rounds: {med:8.3f} ms  x{r_mm:5.3f} of its matmul  x{r_med:5.3f} shipped "
-                      f"(max {r_max:5.3f}){'  (shipped)' if i == 0 else ''}{'  <- winner' if f'c{i}' == win else ''}  {f}")
-            c, (ms, _, _, x_ref) = fin[int(win[1:])], stats[win]
+                      f"(max {r_max:5.3f}){'  (shipped)' if k == 'c0' else ''}{'  <- winner' if k == win else ''}  {f}")
+            c, (ms, _, _, x_ref) = labels[win], stats[win]
             note = (f" (median of {rounds} interleaved rounds of the shipped entry, the {len(fin) - 1} fastest others and "
                     f"the matmul: {'kept the shipped entry' if win == 'c0' else f'{stats[win][1]:.3f}x the shipped entry, max {stats[win][2]:.3f}'})")
         best[name] = c

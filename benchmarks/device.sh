@@ -33,6 +33,13 @@ step_tests() {
   timeout ${TESTS_TIMEOUT:-450} python3 -m pytest -q -m gpu tests/test_gpu.py ${TESTS_K:+-k "$TESTS_K"} \
     ${TESTS_N:+-n "$TESTS_N"} 2>&1 | flt \
     | tee "$OUT/gpu_tests.log" | tail -8
+  # with several workers the GPU's memory is shared: a test that failed there runs again alone (run 32: 8
+  # workers, one chunk_stats case out of memory; alone it passed); both results stay in the log
+  if [ -n "${TESTS_N:-}" ] && grep -q "^FAILED" "$OUT/gpu_tests.log"; then
+    echo "--- the failed tests again, one process:" | tee -a "$OUT/gpu_tests.log"
+    timeout ${TESTS_TIMEOUT:-450} python3 -m pytest -q -m gpu tests/test_gpu.py --lf 2>&1 | flt \
+      | tee -a "$OUT/gpu_tests.log" | tail -4
+  fi
 }
 
 # GPU tests of the float32 dtype and the memory bars only
@@ -442,9 +449,11 @@ step_filtertrain1b() {
   done
 }
 
-# probes/real_setups.py --dw-sweep: the fused dW error per token-chunk count, bf16 vs float32 accumulation, random and realistic (llama3)
+# probes/real_setups.py --dw-sweep: the fused dW error per token-chunk count, bf16 vs float32 accumulation, random and realistic
+# (DW_SHAPE=N,H,V, default llama3's 8192,4096,128256)
 step_dwsweep() {
-  timeout 300 python3 benchmarks/probes/real_setups.py --dw-sweep --out "$OUT" 2>&1 | flt | tee "$OUT/dw_sweep.log" \
+  timeout ${DW_TIMEOUT:-300} python3 benchmarks/probes/real_setups.py --dw-sweep --dw-shape ${DW_SHAPE:-8192,4096,128256} \
+    --out "$OUT" 2>&1 | flt | tee "$OUT/dw_sweep.log" \
     | sed -n '/=== dW sweep summary/,$p'
 }
 

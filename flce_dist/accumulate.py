@@ -30,11 +30,18 @@ _SIXTEEN = (torch.bfloat16, torch.float16)
 # accumulation 1.03 / 1.05 / 1.06 / 1.06 / 1.07 / 1.07x at 2 / 3 / 4 / 5 / 6 / 8 chunks on random
 # data, 1.10 / 1.13 / 1.15 / 1.20 / 1.22 / 1.26x on realistic data; float32 1.00x at every count.
 # So bf16 stays within issue 34's 1.2x bar up to 4 chunks and float32 takes over from 5. The
-# float32 halves cost 2 V_r H bytes (1 GiB at llama3, TP=1) and 3-10% time (run 23), which the
-# default plans of the SPEC shapes at N=8192 (3 chunks, under the 1 GiB bar) do not pay; longer
-# sequences (N >~ 11k tokens at llama3, TP=1) do, and there the accumulator comes on top of the bar.
+# float32 halves cost 2 V_r H bytes (1 GiB at llama3, TP=1) and 3-10% time (run 23). Where the budget's
+# plan has 5+ chunks, core.fused_plan_for takes 4 balanced chunks instead (bf16 dW) wherever they hold no
+# more than the chunk plus that half: gemma at N=8192 (1.03 GiB instead of 1.98), llama3 / qwen3 up to
+# N ~ 27k / 26k, gemma up to ~16k (TP=1); longer sequences keep the budget's chunks and the float32 half.
 AUTO_MIN_CHUNKS = 5
 _BLOCK_BYTES = 32 << 20  # the in-place conversion's row blocks (a temporary of this size)
+
+
+def float32_extra_bytes(v: int, h: int) -> int:
+    """Bytes the float32 accumulator of a ``[v, h]`` dW holds beyond the returned dW during the loop:
+    its second half (``Float32DW``)."""
+    return 4 * (v // 2) * h
 
 
 def uses_float32(dtype: torch.dtype, chunks: int, settings: Settings) -> bool:

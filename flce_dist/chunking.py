@@ -65,8 +65,13 @@ def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device,
         rows = rows // 128 * 128
     if rows >= total:
         return total
-    chunks = -(-total // rows)
-    even = -(-total // chunks)
-    if rows >= 256:  # round up to a multiple of 128: still <= rows, and still `chunks` chunks
+    return even_rows(total, -(-total // rows), align=rows >= 256)
+
+
+def even_rows(total: int, chunks: int, align: bool) -> int:
+    """Rows per chunk of ``total`` rows in ``chunks`` balanced chunks: ceil(total / chunks), with
+    ``align`` rounded up to a multiple of 128 (at most ``chunks`` chunks still, possibly fewer)."""
+    even = -(-total // max(1, chunks))
+    if align:
         even = -(-even // 128) * 128
     return even

@@ -65,7 +65,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .chunking import chunk_rows, gather_rows
+from .chunking import chunk_rows, even_rows, gather_rows
 from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
                           reduce_scatter_rows)
 from .distributed.guard import call_guard, raise_if_failed, verdict
@@ -174,20 +174,39 @@ def _row_scale_form(x: torch.Tensor, has_bias: bool, p: FLCEParams) -> bool:
     return rowscale.applies(x.dtype, has_bias, p, _helion_logits(x, p), bool(p.options.filter_eps(x.dtype)))
 
 
-def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, has_bias: bool) -> int:
+def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, has_bias: bool,
+               need_dw: bool = True) -> int:
     """Token rows per chunk of the fused strategy on ``group``: :func:`fused_plan_for` its size."""
-    return fused_plan_for(n, x, p, group_size(group), has_bias)
+    return fused_plan_for(n, x, p, group_size(group), has_bias, need_dw)
 
 
-def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bool) -> int:
+def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bool, need_dw: bool = True) -> int:
     """Token rows per chunk of the fused strategy on each rank of a ``tp``-rank group. Every rank must
     plan the same token chunks (one stats all-gather per chunk): plan with the largest shard of an even
     split, ceil(V / P), not this rank's own size, and 1/P of the budget. dX and dW are the returned
     gradients, so they are not charged to the budget; the row-scale form's two [rows, H] buffers are.
-    (Apart from :func:`fused_plan` only benchmarks call it: one rank's plan emulated on one GPU.)"""
+    (Apart from :func:`fused_plan` only benchmarks call it: one rank's plan emulated on one GPU.)
+
+    Fewer chunks where they cost less memory: where the budget's plan has ``AUTO_MIN_CHUNKS`` (5) or
+    more chunks, ``dw_accumulate="auto"`` would add the float32 dW accumulator's second half (``2 V_r H``
+    bytes, accumulate.py) to it. If ``AUTO_MIN_CHUNKS - 1`` (4) balanced chunks, whose dW stays in the
+    weight's dtype within the precision bar, hold no more than the chunk plus that half, the plan takes
+    them: less memory, fewer and larger matmuls, no float32 read-modify-write of dW. E.g. gemma (H = 2304,
+    V = 262208, bf16, TP=1, CUDA budget) at N = 8192: 5 chunks of 1664 rows (0.83 GiB) + 1.13 GiB of
+    float32 half, or 4 of 2048 rows (1.03 GiB): 4. llama3 takes 4 up to N = 16384 and keeps the float32
+    plan from N ~ 30k (4 chunks would outgrow it). Not with an explicit ``chunk_bytes`` (the chunk is then
+    the caller's choice), the gradient filter (its dW never accumulates in float32) or without dW."""
     extra = rowscale.row_bytes(x.shape[1], x.dtype) if _row_scale_form(x, has_bias, p) else 0
-    return chunk_rows(n, -(-p.vocab_size // tp), x.element_size(), x.device, p.settings, share=tp,
-                      row_extra_bytes=extra)
+    v = -(-p.vocab_size // tp)
+    rows = chunk_rows(n, v, x.element_size(), x.device, p.settings, share=tp, row_extra_bytes=extra)
+    if (need_dw and n > 0 and p.settings.chunk_bytes is None and p.settings.dw_accumulate == "auto"
+            and not p.options.filter_eps(x.dtype) and accumulate.uses_float32(x.dtype, -(-n // rows), p.settings)):
+        k = accumulate.AUTO_MIN_CHUNKS - 1
+        fewer = even_rows(n, k, align=-(-n // k) >= 256)
+        per_row = v * x.element_size() + extra
+        if fewer * per_row <= rows * per_row + accumulate.float32_extra_bytes(v, x.shape[1]):
+            return fewer
+    return rows
 
 
 def _gathered(order: VocabOrder, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None) -> tuple:
@@ -415,7 +434,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     denom = mean_denominator(valid, num_items, acc_dtype(x.dtype)) if p.reduction == "mean" else None
     pre = None
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
-    rows = fused_plan(x.shape[0], x, p, group, bias is not None) if fused else 0
+    rows = fused_plan(x.shape[0], x, p, group, bias is not None, need_dw) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
     guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, reduce_dx))
     if fused:

@@ -31,7 +31,10 @@ field                  environment default          meaning
                                                     1.13x the one-chunk error at 3 chunks, 1.20x at 5,
                                                     7.5x at 128), ``"float32"`` (always) or ``"native"`` (the
                                                     weight's dtype: no extra memory). float32 costs
-                                                    2 bytes x V_local x H beyond the returned dW.
+                                                    2 bytes x V_local x H beyond the returned dW; so
+                                                    under "auto" a plan of 5+ chunks becomes 4 (bf16
+                                                    dW) where those hold no more memory than the
+                                                    chunk plus that (``core.fused_plan_for``).
 ``filter_order``       (none)                       how the gradient filter (``grad_filter_eps``)
                                                     reads the shard in its sorted vocabulary order
                                                     (``vocab_order.py``): ``"gather"`` (default: the

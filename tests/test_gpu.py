@@ -70,6 +70,33 @@ def test_peak_memory_is_o_chunk():
     assert extra - grads <= 2**30, (extra, grads)
 
 
+def test_gemma_plan_takes_four_chunks_and_no_float32_half():
+    """gemma at N=8192 (bf16): the plan is 4 chunks of 2048 rows with bf16 dW, not 5 of 1664 with the
+    float32 accumulator's 1.13 GiB half: peak beyond the returned gradients ~1.03 GiB (was 1.98, run 31);
+    loss, dX and dW match the float32-accumulated 5-chunk plan (``dw_accumulate="float32"``)."""
+    from flce_dist import core
+    from flce_dist.options import FLCEParams, LossOptions
+    n, h, v = 8192, 2304, 262208
+    x, w, t = _case(1, n, h, v, torch.bfloat16, seed=5)
+    x, t = x.view(n, h), t.view(n)
+    assert core.fused_plan_for(n, x, FLCEParams(0, v, LossOptions(), flce_dist.settings.current()), 1, False) == 2048
+    xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = flce_dist.fused_linear_cross_entropy(xa, wa, t)
+    loss.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - (x.numel() + w.numel()) * 2
+    assert extra <= 1.15 * 2**30, extra / 2**30  # 5 chunks + the float32 half: 1.98 GiB
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    lb = flce_dist.fused_linear_cross_entropy(xb, wb, t, settings=flce_dist.Settings(dw_accumulate="float32"))
+    lb.backward()
+    assert rel(loss, lb) <= 1e-5
+    assert rel(xa.grad, xb.grad) <= 1e-2 and rel(wa.grad, wb.grad) <= 1e-2
+    assert torch.isfinite(wa.grad).all() and wa.grad.abs().sum() > 0
+
+
 FEATURES = [dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=30.0), dict(temperature=0.7),
             dict(num_items_in_batch=1000), dict(label_smoothing=0.05, z_loss=1e-4, softcap=20.0, temperature=1.3)]
 

@@ -70,6 +70,81 @@ def test_auto_accumulator_switches_at_five_chunks():
     assert not accumulate.uses_float32(torch.bfloat16, 128, Settings(dw_accumulate="native"))
 
 
+class _FakeCudaRows:
+    """What ``core.fused_plan_for`` reads of the hidden (shape, dtype, device, element size), on a CUDA
+    device without one: the CUDA budget's plan at full size, no memory."""
+
+    def __init__(self, n, h, dtype=torch.bfloat16):
+        self.shape, self.dtype, self.device = (n, h), dtype, torch.device("cuda")
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _plan(n, h, v, settings=None, tp=1, need_dw=True, x=None):
+    from flce_dist import core
+    from flce_dist.options import FLCEParams, LossOptions
+    x = _FakeCudaRows(n, h) if x is None else x
+    return core.fused_plan_for(n, x, FLCEParams(0, v, LossOptions(), settings or Settings()), tp, False, need_dw)
+
+
+def test_plan_takes_four_chunks_where_the_float32_accumulator_would_cost_more():
+    """Where the budget's plan has >= 5 token chunks, "auto" would add the float32 dW half (2 V_r H bytes);
+    4 balanced chunks (bf16 dW, within the precision bar) are taken where they hold no more than the
+    chunk plus that half. gemma at N = 8192: 4 x 2048 rows instead of 5 x 1664 + 1.13 GiB."""
+    from flce_dist import accumulate, chunking
+    assert _plan(8192, 2304, 262208) == 2048  # 4 chunks (was 1664: 5 chunks + the float32 half)
+    assert _plan(8192, 2304, 262208, need_dw=False) == 1664  # no dW, no accumulator: the budget's plan
+    assert _plan(8192, 2304, 262208, Settings(dw_accumulate="float32")) == 1664
+    assert _plan(8192, 2304, 262208, Settings(dw_accumulate="native")) == 1664
+    assert _plan(8192, 4096, 151936) == 2816  # 3 chunks: no accumulator, unchanged
+    assert _plan(16384, 4096, 128256) == 4096  # llama3: 4 chunks up to N = 16384
+    assert _plan(32768, 4096, 151936) == 2816  # 4 chunks of 8192 rows would hold more than 12 + the half
+    assert _plan(8192, 2304, 262208, tp=2) == 2048  # per rank: ceil(V / P) columns, 1/P of the budget and half
+    # the rule in general: never more memory than the budget's plan with its accumulator, never >= 5 chunks
+    # when taken, and then dW stays in bf16
+    g = torch.Generator().manual_seed(3)
+    for _ in range(300):
+        n = int(torch.randint(1, 70000, (1,), generator=g))
+        h = int(torch.randint(256, 8193, (1,), generator=g))
+        v = int(torch.randint(1000, 300000, (1,), generator=g))
+        base, rows = _plan(n, h, v, need_dw=False), _plan(n, h, v)
+        per_row = 2 * v + h * (4 + 2)  # the chunk row + the row-scale form's float32 and bf16 [rows, H] rows
+        k0, k = -(-n // base), -(-n // rows)
+        mem0 = base * per_row + (accumulate.float32_extra_bytes(v, h) if k0 >= accumulate.AUTO_MIN_CHUNKS else 0)
+        assert rows * per_row + (accumulate.float32_extra_bytes(v, h) if k >= accumulate.AUTO_MIN_CHUNKS else 0) <= mem0
+        assert rows == base or (k < accumulate.AUTO_MIN_CHUNKS <= k0), (n, h, v, base, rows)
+    assert chunking.even_rows(8192, 4, align=True) == 2048 and chunking.even_rows(8193, 4, align=True) == 2176
+
+
+def test_four_chunk_plan_matches_float64(monkeypatch):
+    """The loss on the four-chunk plan (CPU budget made small, "auto"): 4 chunks, no float32 accumulator,
+    loss and gradients against float64 within the bf16 bar, dW within 1.2x the one-chunk plan's error."""
+    from flce_dist import accumulate, chunking
+    n, h, v = 500, 200, 1000
+    monkeypatch.setattr(chunking, "CPU_CHUNK_BYTES", 100 * (2 * v + 6 * h))  # 100 rows: 5 chunks by budget
+    x = torch.empty(n, h, dtype=torch.bfloat16)
+    assert _plan(n, h, v, x=x, need_dw=False) == 100
+    assert _plan(n, h, v, x=x) == 125  # 4 x 125 rows = 400 KB <= 5 x 100 rows (320 KB) + the 400 KB half
+    made = []
+    monkeypatch.setattr(accumulate, "Float32DW", lambda *a: made.append(a))
+    g = torch.Generator().manual_seed(4)
+    xf = torch.randn(n, h, generator=g, dtype=torch.float64)
+    wf = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.2
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::7] = -100
+    xb, wb = xf.bfloat16().requires_grad_(), wf.bfloat16().requires_grad_()
+    loss = F(xb, wb, t, reduction="sum", strategy="fused")
+    loss.backward()
+    assert not made  # 4 chunks: bf16 dW
+    xr, wr = xf.bfloat16().double().requires_grad_(), wf.bfloat16().double().requires_grad_()
+    lr = reference_loss(xr, wr, t, reduction="sum")
+    lr.backward()
+    assert rel(loss, lr) < 1e-2 and rel(xb.grad, xr.grad) < 1e-2 and rel(wb.grad, wr.grad) < 1e-2
+    one = _dw_error(n, h, v, n, "auto")
+    assert rel(wb.grad, wr.grad) <= 1.2 * one, (one, rel(wb.grad, wr.grad))
+
+
 @pytest.mark.parametrize("strategy", ["fused", "recompute"])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
 def test_only_the_needed_gradients_are_formed(strategy, need):

@@ -77,7 +77,7 @@ def dw_sweep(out: str, n: int = 8192, h: int = 4096, v: int = 128256) -> None:
         wr = csv.DictWriter(f, list(rows[0]))
         wr.writeheader()
         wr.writerows(rows)
-    print("=== dW sweep summary (llama3 N=8192 bf16, fused; ratio = error / one-chunk error)")
+    print(f"=== dW sweep summary (N={n} H={h} V={v} bf16, fused; ratio = error / one-chunk error)")
     print(f"{'data':10} {'chunks':>6} {'native':>8} {'float32':>8}")
     for i in range(0, len(rows), 2):
         print(f"{rows[i]['data']:10} {rows[i]['chunks']:>6} {rows[i]['ratio']:>8} {rows[i + 1]['ratio']:>8}")

@@ -4,7 +4,8 @@ Both strategies of ``core.py`` materialise the logits one chunk at a time (the f
 token chunks, the recompute backward by vocabulary chunks); this is the only memory that grows with
 V. The plan depends only on its arguments (shapes, dtype, device type, tensor-parallel size and the
 call's ``Settings``), never on free memory: under tensor parallelism the fused strategy issues one
-collective per token chunk, so every rank must plan the same chunks.
+collective per token chunk, so every rank must plan the same chunks. (``core.fused_plan_for`` may take
+fewer, larger token chunks than the budget gives where the float32 dW accumulator would cost more: see there.)
 """
 
 from __future__ import annotations

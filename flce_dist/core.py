@@ -193,8 +193,8 @@ def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bo
     weight's dtype within the precision bar, hold no more than the chunk plus that half, the plan takes
     them: less memory, fewer and larger matmuls, no float32 read-modify-write of dW. E.g. gemma (H = 2304,
     V = 262208, bf16, TP=1, CUDA budget) at N = 8192: 5 chunks of 1664 rows (0.83 GiB) + 1.13 GiB of
-    float32 half, or 4 of 2048 rows (1.03 GiB): 4. llama3 takes 4 up to N = 16384 and keeps the float32
-    plan from N ~ 30k (4 chunks would outgrow it). Not with an explicit ``chunk_bytes`` (the chunk is then
+    float32 half, or 4 of 2048 rows (1.03 GiB): 4. llama3 takes 4 up to N ~ 27k and keeps the float32
+    plan beyond (4 chunks would outgrow it). Not with an explicit ``chunk_bytes`` (the chunk is then
     the caller's choice), the gradient filter (its dW never accumulates in float32) or without dW."""
     extra = rowscale.row_bytes(x.shape[1], x.dtype) if _row_scale_form(x, has_bias, p) else 0
     v = -(-p.vocab_size // tp)

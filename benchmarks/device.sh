@@ -191,6 +191,35 @@ step_scaling() {
   python3 benchmarks/scaling.py "$OUT" --out "$OUT" 2>&1 | tail -30
 }
 
+# ---------------------------------------------------------------- helion series (issue 50)
+# helion 1.5.1 for the steps after it (carry .whl15 with helion-1.5.1's wheel; .whl keeps 1.4.0): installed
+# into /tmp/site15, put ahead of /tmp/site on PYTHONPATH (flce_dist supplies torch 2.11's missing name itself)
+step_h15() {
+  [ -f /tmp/site15/.flce_ok ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site15 .whl15/*.whl && touch /tmp/site15/.flce_ok; } || return 1
+  export PYTHONPATH=/tmp/site15:${PYTHONPATH:-$PWD}
+  python3 -c "import flce_dist.kernels.launch as L, helion; print('helion', helion.__version__, [f.name for f in L.config_files('h200')])"
+}
+
+# back to helion 1.4.0 (.whl) for the steps after it
+step_h14() {
+  export PYTHONPATH=${PYTHONPATH#/tmp/site15:}
+  python3 -c "import helion; print('helion', helion.__version__)"
+}
+
+# ab_flce.py under helion 1.4.0 and 1.5.1, one process each, alternating (HAB_SHAPES=llama3,qwen3,gemma,
+# HAB_DATA=random,realistic, HAB_ORDER="14 15", HAB_REPS=10)
+step_helionab() {
+  [ -f /tmp/site15/.flce_ok ] || step_h15 > /dev/null
+  local base=${PYTHONPATH#/tmp/site15:}
+  for v in ${HAB_ORDER:-14 15}; do
+    local pp=$base; [ "$v" = 15 ] && pp=/tmp/site15:$base
+    PYTHONPATH=$pp timeout ${HAB_TIMEOUT:-280} python3 benchmarks/ab_flce.py --tag "helion$v" --reps ${HAB_REPS:-10} \
+      --shapes ${HAB_SHAPES:-llama3,qwen3,gemma} --data ${HAB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt \
+      | grep "^\["
+  done | tee -a "$OUT/helionab.log"
+}
+
 # ---------------------------------------------------------------- A/B: the loss alone vs its matmuls
 # ab_flce.py per tree: the loss alone vs the matmul floors, before/after a refactor (AB_TREES=".old .",
 # AB_SHAPES, AB_DATA)

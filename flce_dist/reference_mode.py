@@ -70,7 +70,7 @@ def helion_settings() -> dict:
     """Keyword settings of the package's ``@helion.kernel`` decorators for the current mode."""
     if not reference_mode_active():
         return {}  # Helion's own defaults (it reads HELION_INTERPRET itself)
-    import helion
+    from ._helion_compat import helion
 
     return {"ref_mode": helion.RefMode.EAGER}
 
@@ -79,7 +79,7 @@ def _switch_made_kernels() -> None:
     """Kernels made before reference mode was asked for (their module imported): switch them."""
     if "helion" not in sys.modules:
         return  # no kernel made yet
-    import helion
+    from ._helion_compat import helion
     from helion.runtime.kernel import Kernel
 
     prefix = __name__.rsplit(".", 1)[0] + ".kernels."

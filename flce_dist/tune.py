@@ -1,6 +1,6 @@
 """Bounded config search for the Helion kernels (never a full autotune).
 
-    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--only lse_forward_store] [--shape-class] [--rounds 5] [--out flce_dist/configs/helion/h200.json]
+    python -m flce_dist.tune [--n 8192 --h 4096 --v 128256] [--dtype bf16] [--only lse_forward_store] [--shape-class] [--rounds 5] [--out FILE]
 
 Times a short, hand-picked list of block sizes and ``helion.Config`` fields per kernel on
 representative inputs (random, never zeros; warm-up, median of CUDA-event timings), prints each
@@ -23,7 +23,7 @@ import json
 import statistics
 from pathlib import Path
 
-import helion
+from ._helion_compat import helion
 import torch
 
 from ._timing import DTYPES, cuda_steady_ms, cuda_time_ms, interleaved_ms, paired_ratios
@@ -216,6 +216,14 @@ def search(n, h, v, dtype, rows=2816, store_rows=2816, only=(), candidates="defa
     return best, how
 
 
+def default_out(arch: str = "h200") -> Path:
+    """Where a search writes by default: the base file under helion 1.4 (which its entries were tuned
+    under), else the running series' overlay (``launch.config_files``)."""
+    series = L.helion_series()
+    name = f"{arch}.json" if series in (None, "1.4") else f"{arch}@helion{series}.json"
+    return L.DEFAULT_CONFIG_DIR / name
+
+
 def main():
     ap = argparse.ArgumentParser(
         prog="python -m flce_dist.tune", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -229,7 +237,9 @@ def main():
                     help="token rows of the chunk the chunk kernels and the storing pass run on (default 2816: the "
                          "fused strategy's chunk at llama3)")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES), help="input dtype class (default bf16)")
-    ap.add_argument("--out", default=str(L.DEFAULT_CONFIG_DIR / "h200.json"), help="config file to merge into")
+    ap.add_argument("--out", default=str(default_out()),
+                    help="config file to merge into (default: h200.json under helion 1.4, the series' overlay "
+                         "h200@helion<series>.json under any other helion: the base entries stay 1.4's)")
     ap.add_argument("--shape-class", action="store_true",
                     help="store the winners under '<dtype>@h<H>' (used for this hidden size only) instead of '<dtype>'")
     ap.add_argument("--only", default="", help="comma-separated kernel entries to search (default: all); the others keep their entries")

@@ -2,10 +2,38 @@
 # Set up a fresh CPU machine: .venv with the project (editable), tests, training, DeepSpeed and the
 # framework adapters' frameworks (torchtitan, TRL, verl). Used by the README's first command and by
 # .ci/run. Exact versions come from constraints-cpu.txt (the library itself declares ranges).
+#
+#   bash launch/setup.sh                  the pinned stack in .venv (constraints-cpu.txt): torch 2.13.0's CPU
+#                                         wheel, helion 1.4.0, every framework (the README's set-up, CI's first job)
+#   bash launch/setup.sh --stack newest   the newest stack in .venv-newest (constraints-newest.txt): torch 2.15.0,
+#                                         helion 1.5.1 and the test tools only, then the library installed as a
+#                                         user installs it (a wheel, dependencies resolved by pip, no pins) and
+#                                         checked to have kept that torch and helion (CI's second job)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 t0=$(date +%s)
+
+if [ "${1:-}" = --stack ] && [ "${2:-}" = newest ]; then
+  [ -x .venv-newest/bin/python ] || python3 -m venv .venv-newest
+  py=.venv-newest/bin/python
+  # PIP_CONSTRAINT replaces this machine's global cap (torch<=2.14.1) for these commands only, with the
+  # newest job's exact pins; torch 2.15.0 comes from the index as a CUDA build (~3 GB), which runs on the CPU.
+  PIP_CONSTRAINT="$PWD/constraints-newest.txt" $py -m pip install -q torch helion packaging pytest hypothesis matplotlib
+  keep() { $py -c 'import importlib.metadata as m; print(m.version("torch"), m.version("helion"))'; }
+  before=$(keep)
+  # The library as a user installs it into that environment: a built wheel, dependencies resolved by pip,
+  # no constraints file (/dev/null lifts the machine's cap as a user's pip has none).
+  rm -rf build/newest && $py -m pip wheel -q --no-deps -w build/newest .
+  PIP_CONSTRAINT=/dev/null $py -m pip install -q build/newest/flce_dist-*.whl
+  after=$(keep)
+  [ "$before" = "$after" ] || { echo "error: installing flce_dist changed torch/helion: $before -> $after" >&2; exit 1; }
+  # the installed wheel (not this checkout) finds the shipped configs, helion's series overlay included
+  (cd build && ../$py -c 'import flce_dist, flce_dist.kernels.launch as L; assert "site-packages" in flce_dist.__file__; \
+    fs = L.config_files("h200"); assert fs and all(f.is_file() for f in fs), fs; print("installed:", flce_dist.__file__, [f.name for f in fs])')
+  echo "newest stack kept: torch/helion $after; setup: $(( $(date +%s) - t0 )) s"
+  exit 0
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip=(.venv/bin/pip install -q -c constraints-cpu.txt)
 # constraints-cpu.txt pins torch==2.13.0, so pip takes the CPU wheel on disk, never a CUDA build.

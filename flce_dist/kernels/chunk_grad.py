@@ -20,7 +20,7 @@ loss's and the entropy's gradients leave in one pass (``[1]`` dummies without).
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

@@ -31,7 +31,7 @@ out-of-bounds rows are not stored.
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

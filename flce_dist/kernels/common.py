@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-import helion
+from .._helion_compat import helion
 
 from ..reference_mode import helion_settings
 

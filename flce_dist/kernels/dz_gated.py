@@ -18,7 +18,7 @@ open, untouched where closed), target_local [Nc] int32 (-1: no target here), lse
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

@@ -1,7 +1,8 @@
 """Kernel launch: shipped configs, block sizes, and the typed entry points the autograd core calls.
 
 Configs live in ``flce_dist/configs/helion/<arch>.json`` (arch: ``h200`` for sm_90, ``sm<major><minor>`` for
-other GPUs, ``cpu`` for reference mode; another directory through ``Settings.config_dir``): for each
+other GPUs, ``cpu`` for reference mode; another directory through ``Settings.config_dir``), with an overlay
+``<arch>@helion<series>.json`` per helion series whose generated code needs other configs (``config_files``): for each
 kernel and dtype class a ``block`` dict (block sizes, passed to the kernel as constexpr arguments so
 that reference mode also runs several tiles) and a ``config`` dict (``helion.Config`` fields). A first
 call never autotunes; a shape outside the shipped classes uses the ``default`` entry; missing files
@@ -111,10 +112,34 @@ def arch_of(device: torch.device) -> str:
     return {(9, 0): "h200"}.get((major, minor), f"sm{major}{minor}")
 
 
+def helion_series() -> str | None:
+    """``"<major>.<minor>"`` of the installed helion (from its metadata, without importing it)."""
+    from .._helion_compat import _major_minor, helion_version
+
+    mm = _major_minor(helion_version())
+    return None if mm is None else f"{mm[0]}.{mm[1]}"
+
+
+def config_files(arch: str, config_dir: str | None = None, helion: str | None = None) -> list[Path]:
+    """The config files read for ``arch``, in the order they are merged: ``<arch>.json`` (the entries
+    tuned under helion 1.4), then ``<arch>@helion<series>.json`` for the running helion series
+    (e.g. ``h200@helion1.5.json``), whose entries replace the base file's entry by entry (per kernel
+    and shape-class key) where the same ``helion.Config`` ran slower under that series."""
+    root = Path(config_dir or DEFAULT_CONFIG_DIR)
+    series = helion if helion is not None else helion_series()
+    names = [f"{arch}.json"] + ([f"{arch}@helion{series}.json"] if series else [])
+    return [root / n for n in names if (root / n).is_file()]
+
+
 @lru_cache(maxsize=None)
-def load_configs(arch: str, config_dir: str | None = None) -> dict[str, Any]:
-    path = Path(config_dir or DEFAULT_CONFIG_DIR) / f"{arch}.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+def load_configs(arch: str, config_dir: str | None = None, helion: str | None = None) -> dict[str, Any]:
+    """The merged config table for ``arch`` (``config_files``): ``{kernel: {class key: entry}}``.
+    ``helion`` names the series whose overlay is read (default: the installed helion's)."""
+    merged: dict[str, Any] = {}
+    for path in config_files(arch, config_dir, helion):
+        for kernel, table in json.loads(path.read_text()).items():
+            merged[kernel] = {**merged.get(kernel, {}), **table} if isinstance(table, dict) else table
+    return merged
 
 
 def dtype_class(dtype: torch.dtype) -> str:
@@ -183,7 +208,7 @@ def _configure(bound: Any, device: torch.device, cfg: dict[str, Any]) -> None:
     cur = _CONFIGURED.get(id(bound))
     if cur is cfg or cur == cfg:
         return
-    import helion
+    from .._helion_compat import helion
 
     bound.set_config(helion.Config(**cfg))
     _CONFIGURED[id(bound)] = cfg

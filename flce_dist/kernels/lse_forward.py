@@ -45,7 +45,7 @@ rows) gets pmax = -inf and psum = pent = 0 (its exponentials are taken against 0
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

@@ -34,7 +34,7 @@ b_perm [K] / out_perm [M] int32 (or a [1] dummy when ``permute_b`` / ``permute_o
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

@@ -21,7 +21,7 @@ psumy: [1, N] dummies without with_ent / with_sum), ptgt [T or 1, N], out [N, 4 
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

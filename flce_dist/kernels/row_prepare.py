@@ -24,7 +24,7 @@ call with distinct tensors); a column view is a distinct object.
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

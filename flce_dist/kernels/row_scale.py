@@ -14,7 +14,7 @@ Shapes: acc [Nc, H] float32, x [Nc, H] (bf16 / fp32), c [Nc] float32, dx and xw 
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

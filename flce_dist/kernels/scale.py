@@ -23,7 +23,7 @@ Shapes: t [numel] (a contiguous tensor's flat view), g [1] float32.
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

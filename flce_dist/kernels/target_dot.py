@@ -30,7 +30,7 @@ float32 (a one-row target partial, which ``launch.merge`` sums on its own).
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

@@ -12,7 +12,7 @@ Shapes: target [N] int64, tl [N] int32, valid and bad [N] bool. Grid: token tile
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

@@ -15,7 +15,7 @@ loss, lse [N] float32, correct [N] bool. Grid: token tiles.
 
 from __future__ import annotations
 
-import helion
+from .._helion_compat import helion
 import helion.language as hl
 import torch
 

@@ -199,7 +199,8 @@ class VocabParallelLMHead(nn.Module):
             raise ValueError("forward(hidden) without a target needs the replicated hidden of every token; this "
                              "head has sequence_parallel=True: all-gather hidden over the group first")
         if self.mesh is None:
-            return nn.functional.linear(CopyToGroup.apply(hidden, self.group), self.weight, self.bias)
+            x = hidden if group_size(self.group) == 1 else CopyToGroup.apply(hidden, self.group)
+            return nn.functional.linear(x, self.weight, self.bias)
         from torch.distributed.tensor import Replicate
 
         if is_dtensor(hidden):

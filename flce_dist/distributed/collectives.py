@@ -152,9 +152,10 @@ class CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        if group_size(ctx.group) > 1:
-            dist.all_reduce(grad, group=ctx.group)
+        if group_size(ctx.group) == 1:
+            return grad, None
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the incoming buffer
+        dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
 
@@ -165,7 +166,7 @@ class ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        x = x.contiguous().clone()
+        x = x.clone(memory_format=torch.contiguous_format)  # the sum is taken in place: not on the input
         if group_size(group) > 1:
             dist.all_reduce(x, group=group)
         return x

@@ -50,10 +50,10 @@ RL / post-training: :func:`logprobs_and_entropy(model, input_ids, temperature=..
 <logprobs_and_entropy>` returns the per-token log-probabilities of the next tokens and the policy's
 entropies, both differentiable, through the same lm_head shard and logit transform (no logits).
 
-Call ``apply`` before building the optimizer: with a ``group`` an untied lm_head gets a new (shard)
-Parameter. Not supported: ``logits_to_keep != 0`` together with labels, and the MoE router aux loss
-(``output_router_logits=True`` raises). ``torch.save(model)`` of a patched model does not pickle
-(the patched forward is a closure); save its ``state_dict``.
+Call ``apply`` before building the optimizer: with a ``group`` the lm_head (and a tied input
+embedding) gets a new (shard) Parameter. Not supported: ``logits_to_keep != 0`` together with
+labels, and the MoE router aux loss (``output_router_logits=True`` raises). ``torch.save(model)`` of
+a patched model does not pickle (the patched forward is a closure); save its ``state_dict``.
 
 ``loss_options``: ``ignore_index``, ``label_smoothing``, ``z_loss``, ``softcap`` (overrides the
 model's), ``temperature`` (divides the model's final logits, after its softcap; multiplies Granite's
@@ -488,7 +488,8 @@ def logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, *, labels: t
 
 
 def unapply(model: nn.Module) -> nn.Module:
-    """Restore the model's own forward (a vocab-sharded lm_head stays sharded)."""
+    """Restore the model's own forward (a vocab-sharded lm_head, and a tied vocab-parallel embedding,
+    stay sharded; ``state_dict`` still gathers them)."""
     state = model.__dict__.pop("_flce_state", None)
     if state is None:
         return model

@@ -165,14 +165,16 @@ def fused_linear_cross_entropy(
     ``strategy`` (``"auto"``, ``"fused"``, ``"recompute"``; see ``core.py``), ``deterministic``,
     ``return_lse``, ``return_token_accuracy``, ``return_entropy``, ``check_finite``. ``settings`` (``Settings``: chunk
     budget, logits backend, block sizes, config directory) changes how, never what, is computed;
-    None: ``settings.current()``.
+    None: ``settings.current()``. Every output is of the transformed logits ``y = softcap(z) /
+    temperature`` (``z = hidden @ weight.T (+ bias)``, ``softcap(z) = c * tanh(z / c)``): the model's
+    final logits divided by the temperature, as a sampler does (and :func:`logprobs_and_entropy`).
 
     Returns the loss; with ``return_lse=True`` also the global per-token logsumexp, and with
     ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
     shards; a tie with the target counts as correct; ignored tokens are False), each shaped like
     target and not differentiable; with ``return_entropy=True`` also the per-token entropy
     ``H = lse - sum_v p_v y_v`` of the softmax over the global vocabulary of the transformed logits
-    ``y`` (temperature, softcap), float32, 0 for ignored tokens, differentiable (its gradient flows
+    ``y = softcap(z) / temperature``, float32, 0 for ignored tokens, differentiable (its gradient flows
     into hidden, weight and bias with the loss's, in the same backward pass over the vocabulary).
     Always in this order, each present only when asked for: ``loss[, lse][, correct][, entropy]``.
     With ``reduction="none"`` the per-token losses, label smoothing and z-loss included when set;
@@ -297,13 +299,6 @@ def fused_linear_cross_entropy(
     return (loss, *extras) if extras else loss
 
 
-def sampling_options(temperature: float, softcap: float | None, sampling_temperature: float) -> tuple[float, float | None]:
-    """The loss's ``(temperature, softcap)`` for the logits a sampler sees at ``sampling_temperature``
-    T: ``softcap(z / temperature) / T`` is the loss transform with ``temperature * T`` and
-    ``softcap / T`` (``(c / T) tanh((z / tT) / (c / T)) = c tanh(z / (t c)) / T``)."""
-    return temperature * sampling_temperature, None if softcap is None else softcap / sampling_temperature
-
-
 _LOGPROB_REFUSED = ("reduction", "label_smoothing", "z_loss", "return_lse", "return_token_accuracy", "return_entropy",
                     "num_items_in_batch", "strategy")
 
@@ -316,11 +311,10 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``logp[n] = log softmax(y_n)[target_n]`` and ``entropy[n] = -sum_v p_nv log p_nv`` over the
     global vocabulary (with ``group``: vocab-parallel, no gather of the vocabulary or of logits),
     both float32, shaped like ``target``, 0 at ``ignore_index`` targets (no gradient there).
-    ``y = z / temperature`` with ``z`` the model's final logits ``hidden @ weight.T (+ bias)``, or
-    ``softcap * tanh(. / softcap)`` of them with ``softcap``: ``temperature`` is the SAMPLING
-    temperature, applied after the softcap as a sampler does (``fused_linear_cross_entropy``'s
-    ``temperature`` divides before it; ``softcap(z) / T`` is its ``temperature=T, softcap=c / T``,
-    which is what this function passes).
+    ``y = softcap(z) / temperature`` with ``z = hidden @ weight.T (+ bias)`` and ``softcap(z) =
+    c * tanh(z / c)`` (none without ``softcap``): the model's final logits divided by the sampling
+    temperature, as vLLM, HF ``generate``, verl and TRL do; the same transform as the loss's
+    (``fused_linear_cross_entropy`` with the same ``softcap`` and ``temperature``).
 
     One call is :func:`fused_linear_cross_entropy` with ``reduction="none", return_entropy=True``
     (``logp = -loss``): forward one matmul and one ``[N, 5]`` statistics all-gather; backward one
@@ -337,9 +331,6 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if refused:
         raise TypeError(f"logprobs_and_entropy: {refused} cannot be set here (log-probabilities are per token, "
                         "without label smoothing or z-loss); call fused_linear_cross_entropy for the loss")
-    softcap = kwargs.pop("softcap", None)
-    if softcap is not None and isinstance(temperature, numbers.Real) and temperature > 0:  # else LossOptions says why
-        temperature, softcap = sampling_options(1.0, softcap, temperature)
-    nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, softcap=softcap,
-                                              reduction="none", return_entropy=True, **kwargs)
+    nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, reduction="none",
+                                              return_entropy=True, **kwargs)
     return -nll, entropy

@@ -1,6 +1,7 @@
 """Small formulas shared by the kernels' torch references, the autograd core and the reference.
 
-``transform``         the logit transform: ``y = z / temperature``, then ``c * tanh(y / c)`` (softcap)
+``transform``         the kernels' logit transform ``y = c' tanh(s z / c')``; the options pass ``s = 1 / T``
+                      and ``c' = c / T`` (``LossOptions.cap``), which is ``softcap_c(z) / T``
 ``acc_dtype``         the dtype statistics and accumulators use: float64 for float64 inputs, else float32
 ``mean_denominator``  what ``reduction="mean"`` divides by: ``num_items_in_batch`` if given, else the
                       number of non-ignored tokens; at least 1 (an all-ignored batch has loss 0)

@@ -98,8 +98,9 @@ class LossOptions:
                             "'mean' (over non-ignored tokens, or num_items_in_batch), 'sum', 'none' (per token)", "call")
     label_smoothing: float = option(0.0, _in(0.0, 1.0), "loss = lse - (1-eps) y_t - eps/V sum_v y_v (V global)")
     z_loss: float = option(0.0, _in(0.0, None), "adds z_loss * lse**2 per token")
-    softcap: float | None = option(None, _softcap, "logits become c * tanh(z / c) before everything else")
-    temperature: float = option(1.0, _in(0.0, None, lo_open=True), "logits become z / temperature (before softcap)")
+    softcap: float | None = option(None, _softcap, "logits become c * tanh(z / c) (the model's final logits)")
+    temperature: float = option(1.0, _in(0.0, None, lo_open=True), "the final (softcapped) logits are divided by "
+                                "it, as a sampler does: y = softcap(z) / temperature")
     sequence_parallel: bool = option(False, _bool, "hidden/target are this rank's token slice (all-gathered in, "
                                      "dX reduce-scattered out)", "call")
     strategy: str = option("auto", _choice("auto", "fused", "recompute"),
@@ -152,11 +153,14 @@ class LossOptions:
     # derived values used by the math
     @property
     def cap(self) -> float:
-        """softcap as the kernels take it: 0.0 disables."""
-        return 0.0 if self.softcap is None else self.softcap
+        """The kernels' cap ``c'`` (0.0 disables). The kernels form ``y = c' tanh(s z / c')`` with
+        ``s = logit_scale``; ``c' = softcap / temperature`` and ``s = 1 / temperature`` make it
+        ``softcap(z) / temperature`` = ``(c / T) tanh(z / c)``."""
+        return 0.0 if self.softcap is None else self.softcap / self.temperature
 
     @property
     def logit_scale(self) -> float:
+        """The kernels' scale ``s = 1 / temperature`` (see ``cap``)."""
         return 1.0 / self.temperature
 
     @property

@@ -12,10 +12,12 @@ import torch.nn.functional as F
 
 def reference_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                      softcap: float | None = None, temperature: float = 1.0) -> torch.Tensor:
-    z = F.linear(hidden, weight, bias) / temperature
+    """``y = softcap(z) / temperature`` with ``z = hidden @ weight.T (+ bias)`` and ``softcap(z) =
+    c * tanh(z / c)``: the model's final logits divided by the temperature, as a sampler does."""
+    z = F.linear(hidden, weight, bias)
     if softcap:
         z = softcap * torch.tanh(z / softcap)
-    return z
+    return z / temperature
 
 
 def reference_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
@@ -62,9 +64,9 @@ def reference_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, t
                                    softcap: float | None = None, temperature: float = 1.0):
     """``(logp, entropy)`` per token from the full logits (what :func:`flce_dist.logprobs_and_entropy`
     promises): ``log softmax(y)[target]`` and ``-sum_v p_v log p_v``, both 0 at ``ignore_index``, with
-    ``y = softcap(z) / temperature`` (a sampling temperature: after the softcap)."""
+    ``y = softcap(z) / temperature`` (``reference_logits``: the loss's transform too)."""
     h = hidden.reshape(-1, hidden.shape[-1])
-    logp_all = torch.log_softmax(reference_logits(h, weight, bias, softcap=softcap) / temperature, dim=-1)
+    logp_all = torch.log_softmax(reference_logits(h, weight, bias, softcap=softcap, temperature=temperature), dim=-1)
     t = target.reshape(-1)
     valid = t != ignore_index
     logp = logp_all.gather(1, torch.where(valid, t, torch.zeros_like(t))[:, None])[:, 0]

@@ -132,8 +132,8 @@ def test_module_and_head_helpers(small_tiles):
     rl, re_ = reference_logprobs_and_entropy(x, head.weight, t, bias=head.bias, softcap=5.0, temperature=0.8)
     assert rel(logp, rl) < 1e-10 and rel(ent, re_) < 1e-10
     loss_fn = flce_dist.FusedLinearCrossEntropyLoss(reduction="none", return_entropy=True)
-    # the loss's temperature divides before the softcap: softcap(z) / T == temperature=T, softcap=c / T
-    nll, ent2 = loss_fn(x, head.weight, t, head.bias, softcap=5.0 / 0.8, temperature=0.8)
+    # one transform: the loss's softcap and temperature are the log-probs' (softcap(z) / T)
+    nll, ent2 = loss_fn(x, head.weight, t, head.bias, softcap=5.0, temperature=0.8)
     assert rel(-nll, rl) < 1e-10 and rel(ent2, re_) < 1e-10
 
 

@@ -133,9 +133,10 @@ def _torch_eager_grads(x, w, b, t, opts):
     """(dX, dW, db) of torch eager at the inputs' dtype: materialised logits, loss in float32."""
     from flce_dist.reference import loss_from_logits
     xs, ws, bs = (a.clone().requires_grad_() for a in (x, w, b))
-    z = torch.nn.functional.linear(xs, ws, bs).reshape(-1, w.shape[0]).float() / opts.get("temperature", 1.0)
+    z = torch.nn.functional.linear(xs, ws, bs).reshape(-1, w.shape[0]).float()
     if opts.get("softcap"):
         z = opts["softcap"] * torch.tanh(z / opts["softcap"])
+    z = z / opts.get("temperature", 1.0)  # the final (softcapped) logits over the temperature
     kw = {k: v for k, v in opts.items() if k in ("label_smoothing", "z_loss", "num_items_in_batch")}
     loss_from_logits(z, t, **kw).backward()
     return xs.grad, ws.grad, bs.grad

@@ -272,7 +272,7 @@ def _worker_hf(rank: int, world: int, group) -> int:
     for model_type, tied in [("llama", False), ("llama", True), ("gemma2", False), ("qwen2", True)]:
         ref = tiny_model(model_type, tied)
         tp = apply(copy.deepcopy(ref), group=group)
-        s, e = vocab_shard(VOCAB, rank, world)
+        s, e = vocab_shard(VOCAB, rank, world, split="chunk")  # the heads' split (DTensor's)
         kw = {"num_items_in_batch": torch.tensor(9)} if tied else {}
         loss_ref = ref(input_ids=ids, labels=labels, **kw).loss
         with settings.override(blocks=SMALL_BLOCKS):
@@ -284,11 +284,11 @@ def _worker_hf(rank: int, world: int, group) -> int:
         tag = f"{model_type} tied={tied}"
         count += 4
         _check(rel(loss, loss_ref) <= 1e-5, f"{tag} loss {loss.item()} vs {loss_ref.item()}", failures)
-        head_ref = g_ref["head"] if tied else g_ref["head"][s:e]
-        _check(tuple(tp.get_output_embeddings().weight.shape) == ((VOCAB, 32) if tied else (e - s, 32)),
-               f"{tag} head shape", failures)
+        # tied: the embedding is vocab-parallel too, its weight the head's shard
+        head_ref, embed_ref = g_ref["head"][s:e], g_ref["embed"][s:e] if tied else g_ref["embed"]
+        _check(tuple(tp.get_output_embeddings().weight.shape) == (e - s, 32), f"{tag} head shape", failures)
         _check(rel(g["head"], head_ref) <= 1e-5, f"{tag} head grad {rel(g['head'], head_ref):.2e}", failures)
-        _check(rel(g["embed"], g_ref["embed"]) <= 1e-5, f"{tag} embed grad", failures)
+        _check(rel(g["embed"], embed_ref) <= 1e-5, f"{tag} embed grad", failures)
         _check(rel(g["body"], g_ref["body"]) <= 1e-5, f"{tag} body grad {rel(g['body'], g_ref['body']):.2e}", failures)
         if not tied:  # per-token log-probs and entropy through the vocab-sharded head
             from flce_dist.integrations.transformers import logprobs_and_entropy

@@ -137,19 +137,43 @@ def all_gather_rows_uneven(t: torch.Tensor, sizes: list[int], group: dist.Proces
     return torch.cat([out[r, :n] for r, n in enumerate(sizes)])
 
 
-class TiedShardRows(torch.autograd.Function):
-    """``weight[start:end]`` of a weight replicated on every rank of ``group`` (a tied embedding);
-    the backward all-gathers the shard gradients (one uneven all-gather of ``[V, ...]``) so every
-    rank's replica gets the same full gradient and the replicas stay identical."""
+class CopyToGroup(torch.autograd.Function):
+    """Megatron's ``copy_to_tensor_model_parallel_region``: identity forward; the backward
+    all-reduces the gradient over ``group`` (one all-reduce of the input's size, blocking).
+
+    Put it on the replicated input of a vocab-parallel layer (``x`` of ``x @ W_r.T``): each rank's
+    gradient ``dz_r @ W_r`` is its shard's part only, and the sum over the group is the gradient of
+    the full logits, the same on every rank."""
 
     @staticmethod
-    def forward(ctx, weight, start, end, sizes, group):
-        ctx.group, ctx.sizes = group, sizes
-        return weight[start:end].clone()
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_rows_uneven(grad, ctx.sizes, ctx.group), None, None, None, None
+        if group_size(ctx.group) == 1:
+            return grad, None
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may share the incoming buffer
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromGroup(torch.autograd.Function):
+    """Megatron's ``reduce_from_tensor_model_parallel_region``: the forward all-reduces (sums) ``x``
+    over ``group`` (one all-reduce of its size, blocking); the backward is the identity (the sum's
+    gradient is replicated downstream, and each rank's input gets it whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone(memory_format=torch.contiguous_format)  # the sum is taken in place: not on the input
+        if group_size(group) > 1:
+            dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class GatherVocab(torch.autograd.Function):

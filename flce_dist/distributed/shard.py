@@ -1,8 +1,17 @@
 """Vocabulary partition across a tensor-parallel group.
 
-Uneven shards: with ``V = q * P + r`` the first ``r`` ranks own ``q + 1`` rows, the others ``q``
-(Megatron/torchtitan use even shards and pad the vocabulary; we do not pad). Rank ``i`` owns the
-global ids ``[start_i, start_i + V_i)`` with ``start_i = i * q + min(i, r)``.
+The loss accepts any contiguous split in rank order. Two are named (``vocab_shard``'s ``split``):
+
+* ``"balanced"`` (the default): with ``V = q * P + r`` the first ``r`` ranks own ``q + 1`` rows, the
+  others ``q``; rank ``i`` owns ``[start_i, start_i + V_i)`` with ``start_i = i * q + min(i, r)``.
+* ``"chunk"``: DTensor's ``Shard(0)`` split (``torch.chunk``): ``c = ceil(V / P)`` rows per rank,
+  rank ``i`` owns ``[min(i c, V), min((i + 1) c, V))``, so the last ranks may hold fewer or none.
+  ``VocabParallelLMHead`` (``group=`` and ``mesh=``) and ``integrations.transformers.apply(model,
+  group=)`` use it: a DTensor must (DTensor's ``full_tensor``, redistribution and distributed
+  checkpoints assume it), and one split makes their state dicts interchangeable.
+
+Both equal ``V / P`` rows each when ``P`` divides ``V`` (Megatron and torchtitan pad the vocabulary
+to that; we do not pad).
 """
 
 from __future__ import annotations
@@ -18,22 +27,32 @@ from .collectives import all_gather_rows
 from .groups import group_size
 
 
-def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``(start, end)`` of ``rank``'s rows when ``vocab_size`` rows are split over ``world_size``."""
+SPLITS = ("balanced", "chunk")
+
+
+def vocab_shard(vocab_size: int, rank: int, world_size: int, *, split: str = "balanced") -> tuple[int, int]:
+    """``(start, end)`` of ``rank``'s rows when ``vocab_size`` rows are split over ``world_size``
+    ranks: ``split="balanced"`` (the first ``V % P`` ranks own one more row) or ``"chunk"``
+    (DTensor's ``torch.chunk`` split, the heads' layout); see the module docstring."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+    if split == "chunk":
+        step = -(-vocab_size // world_size)
+        return min(rank * step, vocab_size), min((rank + 1) * step, vocab_size)
+    if split != "balanced":
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     q, r = divmod(vocab_size, world_size)
     start = rank * q + min(rank, r)
     return start, start + q + (1 if rank < r else 0)
 
 
-def shard_sizes(vocab_size: int, world_size: int) -> list[int]:
-    """Rows of every rank under :func:`vocab_shard`."""
-    return [e - s for s, e in (vocab_shard(vocab_size, r, world_size) for r in range(world_size))]
+def shard_sizes(vocab_size: int, world_size: int, *, split: str = "balanced") -> list[int]:
+    """Rows of every rank under :func:`vocab_shard` with ``split``."""
+    return [e - s for s, e in (vocab_shard(vocab_size, r, world_size, split=split) for r in range(world_size))]
 
 
 # checked layouts per process group, the group held weakly: a group the program drops (a test's or a

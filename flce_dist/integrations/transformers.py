@@ -21,13 +21,26 @@ lm_head weight and tensor parallelism (resolved at every call, so it follows mod
 
 - a plain ``nn.Linear`` lm_head: its weight is the full ``[V, H]`` matrix (tied embeddings included:
   the shared Parameter is used, so its gradient is the sum of both uses);
-- ``apply(model, group=tp_group)``: the lm_head becomes a vocab shard of the group
-  (``flce_dist.vocab_shard`` rows, the first ``V % P`` ranks own one more). An untied
-  ``lm_head.weight`` (and bias) is replaced by a Parameter holding only this rank's rows (its
-  state_dict entry becomes the shard). A tied weight stays the full, shared embedding Parameter; the
-  loss reads its shard rows through a view whose backward all-gathers the shard gradients, so every
-  rank's shared weight receives the same full gradient (embedding part + head part) and the replicas
-  stay identical. Without labels, a sharded head's logits are all-gathered to the full vocabulary.
+- ``apply(model, group=tp_group)``: the lm_head becomes a vocab shard of the group, DTensor's split
+  (``flce_dist.vocab_shard(V, rank, P, split="chunk")``: ``ceil(V / P)`` rows per rank, the last
+  ranks fewer; ``VocabParallelLMHead``'s layout). Its ``weight`` (and bias) is replaced by a
+  Parameter holding only this rank's rows. A tied weight is sharded with the input embedding, which
+  becomes vocab-parallel (Megatron's ``VocabParallelEmbedding``): each rank looks up the ids it owns
+  (zeros for the others) and the outputs are summed over the group, one all-reduce of ``[B, T, H]``
+  per forward (identity backward); the shared shard Parameter then gets its two gradients locally,
+  with no ``[V, H]`` collective (the embedding must be a plain ``nn.Embedding`` lookup, without
+  ``max_norm`` or ``scale_grad_by_freq``).
+  Without labels the model's own forward runs and the head's logits are all-gathered to the full
+  vocabulary (one uneven all-gather of ``[B, T, V]``); the head's input is taken as replicated
+  (Megatron's ``copy_to_tensor_model_parallel_region``): its backward all-reduces the hidden
+  gradient (``[B, T, H]``), so a loss of the logits (DPO, distillation, ...) trains the backbone
+  with the full gradient, the same on every rank.
+  ``state_dict()`` of the model (so ``save_pretrained``) holds the full, unsharded ``lm_head.weight``
+  (and the full embedding when tied, one tensor for both keys): one uneven all-gather of ``[V, H]``
+  per sharded Parameter, so every rank of the group must call it at the same point (as with
+  transformers' own tensor parallelism; a ``[V, H]`` buffer on each rank while the dict lives).
+  ``load_state_dict`` takes the full rows (and slices this rank's) or this rank's rows. The saved
+  checkpoint loads into the plain model (``from_pretrained``).
 - a DeepSpeed AutoTP head (``deepspeed.module_inject.layers.VocabParallelLinear`` or a
   column-parallel ``LinearLayer``): its shard, ``mp_group`` and vocab start are used as they are
   (see :mod:`flce_dist.integrations.deepspeed`);
@@ -37,13 +50,14 @@ RL / post-training: :func:`logprobs_and_entropy(model, input_ids, temperature=..
 <logprobs_and_entropy>` returns the per-token log-probabilities of the next tokens and the policy's
 entropies, both differentiable, through the same lm_head shard and logit transform (no logits).
 
-Call ``apply`` before building the optimizer: with a ``group`` an untied lm_head gets a new (shard)
-Parameter. Not supported: ``logits_to_keep != 0`` together with labels, and the MoE router aux loss
-(``output_router_logits=True`` raises). ``torch.save(model)`` of a patched model does not pickle
-(the patched forward is a closure); save its ``state_dict``.
+Call ``apply`` before building the optimizer: with a ``group`` the lm_head (and a tied input
+embedding) gets a new (shard) Parameter. Not supported: ``logits_to_keep != 0`` together with
+labels, and the MoE router aux loss (``output_router_logits=True`` raises). ``torch.save(model)`` of
+a patched model does not pickle (the patched forward is a closure); save its ``state_dict``.
 
 ``loss_options``: ``ignore_index``, ``label_smoothing``, ``z_loss``, ``softcap`` (overrides the
-model's), ``temperature`` (multiplies the model's), ``strategy``, ``deterministic``.
+model's), ``temperature`` (divides the model's final logits, after its softcap; multiplies Granite's
+``logits_scaling``), ``strategy``, ``deterministic``.
 """
 
 from __future__ import annotations
@@ -58,8 +72,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import fused_linear_cross_entropy, sampling_options
-from ..distributed import GatherVocab, TiedShardRows, group_rank, group_size, shard_sizes, vocab_shard
+from ..api import fused_linear_cross_entropy
+from ..distributed import (CopyToGroup, GatherVocab, ReduceFromGroup, all_gather_rows_uneven, group_rank, group_size,
+                           shard_sizes, vocab_shard)
 from ..modules import VocabParallelLMHead
 from ..options import LossOptions
 from .heads import HeadShard, head_shard, register_head_shard
@@ -103,6 +118,10 @@ class _HeadTP:
     vocab: int
     tied: bool
 
+    @property
+    def sizes(self) -> list[int]:
+        return shard_sizes(self.vocab, group_size(self.group), split="chunk")
+
 
 # --------------------------------------------------------------------------------------------
 # the lm_head
@@ -110,19 +129,11 @@ class _HeadTP:
 
 @register_head_shard
 def _sharded_by_apply(head: nn.Module) -> HeadShard | None:
-    """A head that ``apply(model, group=...)`` sharded: its rows, or for a tied (replicated)
-    weight a view of its rows whose backward all-gathers the shard gradients."""
+    """A head that ``apply(model, group=...)`` sharded: its rows (tied or not, the weight is the shard)."""
     tp = head.__dict__.get("_flce_tp")
     if tp is None:
         return None
-    bias = getattr(head, "bias", None)
-    if tp.tied:
-        sizes = shard_sizes(tp.vocab, group_size(tp.group))
-        weight = TiedShardRows.apply(head.weight, tp.start, tp.end, sizes, tp.group)
-        if bias is not None:
-            bias = TiedShardRows.apply(bias, tp.start, tp.end, sizes, tp.group)
-        return HeadShard(weight, bias, tp.group, tp.start, tp.vocab)
-    return HeadShard(head.weight, bias, tp.group, tp.start, tp.vocab)
+    return HeadShard(head.weight, getattr(head, "bias", None), tp.group, tp.start, tp.vocab)
 
 
 @register_head_shard
@@ -156,19 +167,124 @@ def _patched_head_forward(self, input, *args, flce_target=None, flce_options=Non
     if flce_target is not None:
         return _head_loss(self, input, flce_target, flce_options or {})
     previous = self.__dict__.get("_flce_previous_forward")
-    out = previous(input, *args, **kwargs) if previous is not None else type(self).forward(self, input, *args, **kwargs)
     tp = self.__dict__.get("_flce_tp")
-    if tp is not None and not tp.tied:
-        out = GatherVocab.apply(out, tp.start, tp.end, shard_sizes(tp.vocab, group_size(tp.group)), tp.group)
+    if tp is not None:  # replicated input: the backward sums the shards' hidden gradients over the group
+        input = CopyToGroup.apply(input, tp.group)
+    out = previous(input, *args, **kwargs) if previous is not None else type(self).forward(self, input, *args, **kwargs)
+    if tp is not None:
+        out = GatherVocab.apply(out, tp.start, tp.end, tp.sizes, tp.group)
     return out
 
 
 def _install_head_forward(head: nn.Module) -> None:
-    current = head.__dict__.get("forward")
-    if getattr(current, "__func__", None) is _patched_head_forward:
+    _install_forward(head, _patched_head_forward)
+
+
+# --------------------------------------------------------------------------------------------
+# apply(model, group=...): a tied head's embedding, and the checkpoint of the sharded rows
+
+
+def _patched_embedding_forward(self, input, *args, **kwargs):
+    """Vocab-parallel lookup (Megatron's ``VocabParallelEmbedding``): the embedding's own forward on
+    the ids this rank owns (as local ids), zeros for the others, summed over the group (one
+    all-reduce of the output; the backward is the identity, each rank's rows get their tokens' gradient)."""
+    tp = self.__dict__["_flce_tp"]
+    previous = self.__dict__.get("_flce_previous_forward")
+    inside = (input >= tp.start) & (input < tp.end)
+    if tp.end > tp.start:
+        local = torch.where(inside, input - tp.start, torch.zeros_like(input))
+        out = previous(local, *args, **kwargs) if previous is not None else type(self).forward(self, local, *args, **kwargs)
+        out = out.masked_fill(~inside.unsqueeze(-1), 0)
+    else:  # an empty shard (DTensor's split can leave the last ranks none)
+        out = self.weight.new_zeros((*input.shape, self.weight.shape[-1]))
+    return ReduceFromGroup.apply(out, tp.group)
+
+
+def _install_forward(module: nn.Module, patched) -> None:
+    current = module.__dict__.get("forward")
+    if getattr(current, "__func__", None) is patched:
         return
-    head.__dict__["_flce_previous_forward"] = current
-    head.forward = types.MethodType(_patched_head_forward, head)
+    module.__dict__["_flce_previous_forward"] = current
+    module.forward = types.MethodType(patched, module)
+
+
+def _check_tied_embedding(emb: nn.Module) -> None:
+    if not isinstance(emb, nn.Embedding):
+        raise ValueError(f"apply(model, group=...) with a tied lm_head shards the input embedding too, which must be "
+                         f"an nn.Embedding; got {type(emb).__name__}")
+    if emb.max_norm is not None or emb.scale_grad_by_freq:
+        raise ValueError("apply(model, group=...) with a tied lm_head: the input embedding's max_norm / "
+                         "scale_grad_by_freq need every row's lookups on one rank; the vocab-parallel embedding "
+                         "does not support them")
+
+
+def _load_shard_rows(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook of a sharded head / embedding: full ``[V, ...]`` rows -> this rank's."""
+    tp = module.__dict__.get("_flce_tp")
+    if tp is None:
+        return
+    for name in ("weight", "bias"):
+        key, param = prefix + name, getattr(module, name, None)
+        value = state_dict.get(key)
+        if (isinstance(value, torch.Tensor) and isinstance(param, torch.Tensor) and value.dim() >= 1
+                and value.shape[0] == tp.vocab and tuple(value.shape) != tuple(param.shape)):
+            state_dict[key] = value[tp.start:tp.end]
+
+
+def _gather_shards_on_save(model: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """state_dict post-hook of a model with a sharded head: each sharded Parameter's entries become
+    its full ``[V, ...]`` rows, one uneven all-gather per Parameter (weight, bias), in module order
+    on every rank; a tied weight's keys share the one gathered tensor."""
+    head = model.get_output_embeddings()
+    tp = None if head is None else head.__dict__.get("_flce_tp")
+    if tp is None:
+        return
+    owners = [m for m in (head, model.get_input_embeddings()) if m is not None and m.__dict__.get("_flce_tp") is tp]
+    found: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if any(module is o for o in owners):
+            for pname in ("weight", "bias"):
+                p = getattr(module, pname, None)
+                if isinstance(p, torch.Tensor):
+                    found.setdefault(id(p), (p, []))[1].append(f"{prefix}{name}.{pname}" if name else prefix + pname)
+    for p, keys in found.values():
+        keys = [k for k in keys if k in state_dict]
+        if keys:  # the same structure on every rank: the same gathers
+            full = all_gather_rows_uneven(p.detach(), tp.sizes, tp.group)
+            for k in keys:
+                state_dict[k] = full
+
+
+def _shard_model(model: nn.Module, head: nn.Module, group: dist.ProcessGroup) -> None:
+    """apply(model, group=...)'s sharding of the lm_head (and of a tied input embedding)."""
+    if head.__dict__.get("_flce_tp") is not None or hasattr(head, "mp_group") or hasattr(head, "shard"):
+        raise ValueError("the lm_head is already vocab-sharded; call apply(model) without group")
+    vocab, p = head.weight.shape[0], group_size(group)
+    if vocab < p:
+        raise ValueError(f"vocabulary of {vocab} rows is smaller than the group size {p}")
+    start, end = vocab_shard(vocab, group_rank(group), p, split="chunk")
+    emb = model.get_input_embeddings()
+    tied = emb is not None and getattr(emb, "weight", None) is head.weight
+    if tied:
+        _check_tied_embedding(emb)
+    tp = _HeadTP(group=group, start=start, end=end, vocab=vocab, tied=tied)
+    with torch.no_grad():
+        head.weight = nn.Parameter(head.weight.detach()[start:end].clone(), requires_grad=head.weight.requires_grad)
+        if getattr(head, "bias", None) is not None:
+            head.bias = nn.Parameter(head.bias.detach()[start:end].clone(), requires_grad=head.bias.requires_grad)
+    if hasattr(head, "out_features"):
+        head.out_features = end - start
+    head.__dict__["_flce_tp"] = tp
+    head.register_load_state_dict_pre_hook(_load_shard_rows)
+    if tied:
+        emb.weight = head.weight
+        emb.num_embeddings = end - start
+        pad = emb.padding_idx
+        emb.padding_idx = pad - start if pad is not None and start <= pad < end else None
+        emb.__dict__["_flce_tp"] = tp
+        emb.register_load_state_dict_pre_hook(_load_shard_rows)
+        _install_forward(emb, _patched_embedding_forward)
+    model.register_state_dict_post_hook(_gather_shards_on_save)
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,22 +431,7 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
         return model
 
     if group_size(group) > 1:
-        if head.__dict__.get("_flce_tp") is not None or hasattr(head, "mp_group") or hasattr(head, "shard"):
-            raise ValueError("the lm_head is already vocab-sharded; call apply(model) without group")
-        vocab = head.weight.shape[0]
-        start, end = vocab_shard(vocab, group_rank(group), group_size(group))
-        if end <= start:
-            raise ValueError(f"vocabulary of {vocab} rows is smaller than the group size {group_size(group)}")
-        emb = model.get_input_embeddings()
-        tied = emb is not None and getattr(emb, "weight", None) is head.weight
-        if not tied:
-            with torch.no_grad():
-                head.weight = nn.Parameter(head.weight.detach()[start:end].clone(), requires_grad=head.weight.requires_grad)
-                if getattr(head, "bias", None) is not None:
-                    head.bias = nn.Parameter(head.bias.detach()[start:end].clone(), requires_grad=head.bias.requires_grad)
-            if hasattr(head, "out_features"):
-                head.out_features = end - start
-        head.__dict__["_flce_tp"] = _HeadTP(group=group, start=start, end=end, vocab=vocab, tied=tied)
+        _shard_model(model, head, group)
 
     model.__dict__["_flce_state"] = _State(
         options=dict(loss_options), transform=SUPPORTED_MODEL_TYPES[model_type], moe=model_type in _MOE_TYPES,
@@ -377,9 +478,8 @@ def logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, *, labels: t
     state = model.__dict__.get("_flce_state")
     applied = {k: v for k, v in (state.options if state is not None else {}).items() if k in _LOGPROB_OPTIONS}
     options = _transform_options(model, SUPPORTED_MODEL_TYPES[model_type], applied)
-    # the sampling temperature divides the final logits, after the model's softcap
-    options["temperature"], options["softcap"] = sampling_options(options["temperature"], options.get("softcap"),
-                                                                  temperature)
+    # the sampling temperature divides the final logits, after the model's softcap (the loss's meaning)
+    options["temperature"] = options["temperature"] * temperature
     options.update(ignore_index=ignore_index, reduction="none", return_entropy=True)
     head = model.get_output_embeddings()
     _install_head_forward(head)
@@ -388,7 +488,8 @@ def logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, *, labels: t
 
 
 def unapply(model: nn.Module) -> nn.Module:
-    """Restore the model's own forward (a vocab-sharded lm_head stays sharded)."""
+    """Restore the model's own forward (a vocab-sharded lm_head, and a tied vocab-parallel embedding,
+    stay sharded; ``state_dict`` still gathers them)."""
     state = model.__dict__.pop("_flce_state", None)
     if state is None:
         return model

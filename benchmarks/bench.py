@@ -12,7 +12,8 @@ CUDA events, warm-up, gradients set to None before each call):
           evaluation loop that syncs every call;
   steady  (``steady_ms``) ``--steady-calls`` K calls back to back behind one untimed call, total / K, median of
           max(3, reps / 2) samples: the host work of a call overlaps the GPU work before it (a training loop);
-and ``host_ms`` = single - steady (the call's host prologue). Each mode against the three distinct matmuls timed
+and ``host_ms`` = single - steady (the call's host prologue; ``host_adj_ms`` less the 3mm row's own single -
+steady, which is negative where back-to-back work runs at lower clocks: ``common.mode_cols``). Each mode against the three distinct matmuls timed
 in the same mode in the same run (the ``3mm`` row: ``x @ W.T``, ``dy @ W``, ``dy.T @ x`` back to back,
 ``_timing.three_matmuls``, the floor as issue 15 words it): ``single_x3mm`` (= ``ratio_fb3``, ``x3dist``) and
 ``steady_x3mm``. Beside the times: peak memory above the inputs (``mem_gib``, the returned gradients included;
@@ -350,7 +351,7 @@ def run_case(name: str, mode: str, x: torch.Tensor, w: torch.Tensor, t: torch.Te
                          **common.mode_cols(fb_ms, st_ms, mm3, mm3s), **timing, **dcols))
         # each row as soon as it is timed (a call cut off at its limit keeps what it measured)
         print(f"  {iname:15} single {fb_ms:8.2f} ms ({fb_ms / mm3:.3f}x 3mm)  steady {st_ms:8.2f} ms"
-              f" ({st_ms / mm3s:.3f}x 3mm)  host {fb_ms - st_ms:6.2f} ms  peak {mem:.2f} GiB (extra {mem - grads_gib:.2f})"
+              f" ({st_ms / mm3s:.3f}x 3mm)  host {fb_ms - st_ms:6.2f} ms (adj {fb_ms - st_ms - (mm3 - mm3s):.2f})  peak {mem:.2f} GiB (extra {mem - grads_gib:.2f})"
               f"  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)", flush=True)
         _empty_cache(x)
     if args.rounds:

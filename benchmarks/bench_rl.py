@@ -64,13 +64,13 @@ that raises there (a missing kernel dependency) is printed and the row left out.
 Times (issue 53: both timing modes, ``common.Timers``; CUDA events, CPU: perf_counter; the max over ranks of
 each rank's median): ``fwd_bwd_ms`` = ``single_ms``, each call from an idle GPU (a sync, under TP a barrier, then
 --idle-ms of sleep); ``steady_ms``, --steady-calls calls back to back behind one untimed call, per call;
-``host_ms`` = single - steady. ``single_x3mm`` / ``steady_x3mm``: against the three distinct matmuls of this
-rank's shard (``_timing.three_matmuls``: the ``floor3_ms`` / ``floor3_steady_ms`` columns) timed in the same mode in
-the same run (the RL head's recompute plan issues 4: forward logits, backward logits, dX, dW). ``ratio`` /
+``host_ms`` = single - steady (``host_adj_ms``: less the 3mm's own single - steady). ``single_x3mm`` /
+``steady_x3mm``: against the three distinct matmuls of this rank's shard (``_timing.three_matmuls``: the
+``floor3_ms`` / ``floor3_steady_ms`` columns) timed in the same mode in the same run (the RL head's recompute plan issues 4: forward logits, backward logits, dX, dW). ``ratio`` /
 ``ratio_steady`` are to the flce_loss row of the same shape and data; ``peer`` names a Liger row's flce
 counterpart and ``vs_peer`` / ``vs_peer_steady`` its time over the peer's (> 1: Liger slower). ``mem_gib`` the
-per-rank peak above the inputs with the gradients (max over ranks; nan on CPU). Writes ``bench_rl_tp<P>.csv`` (``_n<N>`` for N != 8192, ``_<modes>`` unless --data
-is the default) to benchmarks/results and --out (--cpu-smoke: ``bench_rl_tp<P>_smoke.csv`` to --out only);
+per-rank peak above the inputs with the gradients (max over ranks; nan on CPU). Writes ``bench_rl_tp<P>.csv``
+(``_n<N>`` for N != 8192, ``_<modes>`` unless --data is the default) to benchmarks/results and --out (--cpu-smoke: ``bench_rl_tp<P>_smoke.csv`` to --out only);
 prints the table last. Rows carry the data mode's ``d_*`` numbers as in bench.py.
 """
 

@@ -87,6 +87,7 @@ PHASE_HOOKS: list[tuple[Any, str, str]] = [
     (autograd.FLCEFunction, "backward", "FLCEFunction.backward"),
     (autograd, "scale_precomputed", "backward scale"),
     (launch, "_launch", LAUNCH),
+    (launch, "_bind", "launch bind (cache)"),  # inside each launch: the launch cache's key and lookup
 ]
 VIEWS = {"view", "_unsafe_view", "alias", "detach", "lift_fresh", "t", "slice", "select", "transpose", "as_strided",
          "expand", "unsqueeze", "squeeze", "reshape", "permute", "unbind", "split", "narrow", "_reshape_alias",
@@ -268,6 +269,21 @@ def cuda_kernels(step: Callable[[], None]) -> collections.Counter:
     return collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def host_syncs(step: Callable[[], None]) -> list[str]:
+    """The host-sync warnings of one ``step`` (``torch.cuda.set_sync_debug_mode("warn")``): a sync inside the
+    call would make its host time GPU time (empty: none)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message)[:160] for w in ws if "synchroniz" in str(w.message).lower()]
+
+
 def busy_queue(ms: float, dev: torch.device) -> Callable[[], torch.cuda.Event]:
     """A callable that enqueues ~``ms`` of matmuls and returns an event recorded right after them."""
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -340,6 +356,9 @@ def run_n(n: int, h: int, v: int, dev: torch.device, args: argparse.Namespace, p
                **common.mode_cols(single, steady, f1, f2), floor3_ms=f1, floor3_steady_ms=f2,
                steady_calls=args.steady_calls, idle_ms=args.idle_ms)
     kern = cuda_kernels(step) if dev.type == "cuda" else collections.Counter()
+    syncs = host_syncs(step) if dev.type == "cuda" else []
+    for m in syncs:
+        print(f"    host sync in the call: {m}")
     by_class = collections.Counter()
     for name, c in kern.items():
         by_class[kernel_class(name)] += c
@@ -347,7 +366,7 @@ def run_n(n: int, h: int, v: int, dev: torch.device, args: argparse.Namespace, p
     row.update(kernels=sum(by_class.values()), cublas=by_class["cuBLAS"], helion=by_class["Helion"],
                torch_kernels=by_class["torch"], memsets=by_class["memset/memcpy"],
                helion_launches=phases.get(LAUNCH, {}).get("calls", float("nan")),
-               call_host_ms=plain_ms, call_host_hooked_ms=hooked_ms, drained=drained)
+               call_host_ms=plain_ms, call_host_hooked_ms=hooked_ms, drained=drained, syncs=len(syncs))
     print(f"N={n}: single {single:.3f} ms, steady {steady:.3f} ms (host prologue {single - steady:.3f} ms; 3mm "
           f"{f1:.3f} / {f2:.3f}); kernels {row['kernels']} (cuBLAS {row['cublas']}, Helion {row['helion']}, torch "
           f"{row['torch_kernels']}, memset/memcpy {row['memsets']}); Helion launches {row['helion_launches']:.0f}; "
@@ -379,10 +398,10 @@ def save(rows: list[dict], name: str, args: argparse.Namespace) -> None:
 
 
 TABLE = [("N", "N", "6d"), ("single", "single_ms", "8.3f"), ("steady", "steady_ms", "8.3f"),
-         ("prologue", "host_ms", "9.3f"), ("x3mm s", "single_x3mm", "7.3f"), ("x3mm st", "steady_x3mm", "8.3f"),
+         ("prologue", "host_ms", "9.3f"), ("adj", "host_adj_ms", "6.3f"), ("x3mm s", "single_x3mm", "7.3f"), ("x3mm st", "steady_x3mm", "8.3f"),
          ("kernels", "kernels", "8d"), ("cuBLAS", "cublas", "7d"), ("Helion", "helion", "7d"),
          ("launch()", "helion_launches", "9.0f"), ("torch", "torch_kernels", "6d"), ("memset", "memsets", "7d"),
-         ("call host", "call_host_ms", "10.3f"), ("hooked", "call_host_hooked_ms", "7.3f")]
+         ("call host", "call_host_ms", "10.3f"), ("hooked", "call_host_hooked_ms", "7.3f"), ("syncs", "syncs", "6d")]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -446,7 +465,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     save(rows, f"host_cost{sfx}.csv", args)
     save(prow, f"host_cost_phases{sfx}.csv", args)
     print(f"\n=== host_cost summary ({rows[0]['device'] if rows else dev.type}, H={args.hv[0]} V={args.hv[1]} bf16 random;"
-          f" single = from an idle GPU, steady = {args.steady_calls} back to back; prologue = single - steady; call host ="
+          f" single = from an idle GPU, steady = {args.steady_calls} back to back; prologue = single - steady, adj = less the 3mm's own single - steady; call host ="
           " the call's wall time behind a busy GPU, hooked = with the phase wrappers)")
     common.print_table(rows, TABLE)
     if prow:

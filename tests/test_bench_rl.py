@@ -146,3 +146,9 @@ def test_sm90_target_check_switch(monkeypatch):
     a = bench_rl.parse_args(["--cpu-smoke"])
     assert a.steady_calls == 2 and not a.liger_target_check
     assert bench_rl.parse_args(["--device", "cpu"]).steady_calls == 4
+    import torch
+
+    fn, why = bench_rl.liger_sm90_fn(torch.device("cpu"), 2, torch.bfloat16, True)
+    assert fn is None and why == "a single-GPU kernel (TP=1 only)"
+    fn, why = bench_rl.liger_sm90_fn(torch.device("cpu"), 1, torch.bfloat16, False)
+    assert fn is None and "sm_90" in why

@@ -1,20 +1,28 @@
-"""Single-GPU benchmark: flce_dist vs torch, Liger FLCE, CCE, DeepSpeed's
-``vocab_parallel_linear_cross_entropy`` (one-rank group) and the bare matmul, in one run.
+"""Single-GPU benchmark: flce_dist vs torch, Liger FLCE (Triton, and its CuTe DSL Hopper kernel), CCE, QuACK,
+DeepSpeed's ``vocab_parallel_linear_cross_entropy`` (one-rank group) and the bare matmuls, in one run.
 
     python benchmarks/bench.py [--shapes llama3,qwen3,gemma] [--n 8192] [--dtype bf16] [--out DIR]
                                [--data random,realistic] [--fixture PATH] [--impls flce,cce,cce_exact,...]
+                               [--steady-calls 4] [--idle-ms 2] [--rounds K]
 
-For each shape: forward+backward and forward-only (no grad) time (CUDA events, warm-up, median of
-``--reps``; each timed call starts on an idle GPU, so the host work before its first kernel counts),
-the steady-state forward+backward time (``steady_ms``: 5 calls back to back per sample, as in a
-training loop, where that host work overlaps the previous step), and peak memory above the inputs:
-``mem_gib`` includes the returned gradients, ``extra_gib`` = ``mem_gib`` minus the dX and dW every
-implementation must return, ``fwd_mem_gib`` is the forward-only (no grad) peak. Ratios are to the
-bare ``x @ W.T`` matmul timed in the same run (``ratio_fb``: fwd+bwd against three of it); ``ratio_fb3``
-(``x3dist``) is fwd+bwd against the layer's three distinct matmuls run back to back (``x @ W.T``,
-``dy @ W``, ``dy.T @ x``: ``_timing.three_matmuls``, the floor as issue 15 words it); ``ratio_plan``
-(``xplan``) is fwd+bwd against the same three matmuls as flce's default chunk plan issues them
-(``_timing.chunked_matmuls`` at ``plan_rows`` rows: cuBLAS alone, no Helion pass, no small kernel).
+For each shape, every implementation's forward+backward in two timing modes (``common.Timers``, issue 53;
+CUDA events, warm-up, gradients set to None before each call):
+  single  (``fwd_bwd_ms`` = ``single_ms``) median of ``--reps`` calls, each started on an idle GPU (a sync, then
+          ``--idle-ms`` of sleep): the host work before the call's first kernel counts, as in an RL or
+          evaluation loop that syncs every call;
+  steady  (``steady_ms``) ``--steady-calls`` K calls back to back behind one untimed call, total / K, median of
+          max(3, reps / 2) samples: the host work of a call overlaps the GPU work before it (a training loop);
+and ``host_ms`` = single - steady (the call's host prologue; ``host_adj_ms`` less the 3mm row's own single -
+steady, which is negative where back-to-back work runs at lower clocks: ``common.mode_cols``). Each mode against the three distinct matmuls timed
+in the same mode in the same run (the ``3mm`` row: ``x @ W.T``, ``dy @ W``, ``dy.T @ x`` back to back,
+``_timing.three_matmuls``, the floor as issue 15 words it): ``single_x3mm`` (= ``ratio_fb3``, ``x3dist``) and
+``steady_x3mm``. Beside the times: peak memory above the inputs (``mem_gib``, the returned gradients included;
+``extra_gib`` = ``mem_gib`` minus the dX and dW every implementation must return), forward-only (no grad) time
+``fwd_ms`` (single mode) and peak ``fwd_mem_gib``. Also against the bare ``x @ W.T`` (the ``matmul`` row, fwd_bwd
+= 3 of it): ``ratio_fb``, ``ratio_steady``, ``ratio_f``; and ``ratio_plan`` (``xplan``): fwd+bwd against the three
+matmuls as flce's default chunk plan issues them (``_timing.chunked_matmuls`` at ``plan_rows`` rows: cuBLAS alone).
+``liger_cute`` (Liger 0.8.5's CuTe DSL SM90 FLCE, :func:`liger_cute_impls`) runs where its constraints allow
+(sm_90, bf16, N % 128 == 0, V % 256 == 0, the CuTe DSL importable); elsewhere its line says why it was skipped.
 ``--rounds K`` (run 28) then times the steady fwd+bwd of the three matmuls and of every impl again in K
 interleaved rounds (order rotated per round) and reports each impl's median per-round ratio to flce
 (``vs_flce``, with its spread): a lead of a few % is only real where the rounds agree on it, since the
@@ -45,7 +53,7 @@ import torch.nn.functional as F
 import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else this repository's)
 import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402
-from flce_dist._timing import DTYPES, cuda_steady_ms, cuda_time_ms as time_ms, peak_gib, three_matmuls  # noqa: E402
+from flce_dist._timing import DTYPES, three_matmuls  # noqa: E402
 
 try:  # interleaved rounds (run 28; older trees: no --rounds)
     from flce_dist._timing import interleaved_ms, paired_ratios  # noqa: E402
@@ -82,6 +90,46 @@ def filter_impls(rt) -> dict:
 
         impls["flce_filter_gather"], impls["flce_filter_copy"] = filter_in("gather"), filter_in("copy")
     return impls
+
+
+def cute_skip(x: torch.Tensor, w: torch.Tensor, tile_m: int = 128, tile_n: int = 256) -> str:
+    """Why Liger's CuTe DSL SM90 FLCE cannot run on ``x`` [N, H], ``w`` [V, H] ("" if it can): a Hopper GPU
+    (compute capability 9.0), bf16 inputs, N a multiple of its token tile (128), V of its vocab tile (256).
+    (No bias, label smoothing or softcap either: bench.py passes none.)"""
+    why = []
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        why.append(f"bf16 only (got {x.dtype})")
+    if x.shape[0] % tile_m:
+        why.append(f"N={x.shape[0]} is not a multiple of {tile_m}")
+    if w.shape[0] % tile_n:
+        why.append(f"V={w.shape[0]} is not a multiple of {tile_n}")
+    if not x.is_cuda:
+        why.append("needs a CUDA device (sm_90)")
+    elif torch.cuda.get_device_capability(x.device) != (9, 0):
+        why.append(f"needs sm_90 (Hopper), this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+    return "; ".join(why)
+
+
+def liger_cute_impls() -> dict:
+    """``{"liger_cute": fn}``: Liger-Kernel 0.8.5's CuTe DSL FLCE for Hopper (issue 53),
+    ``liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90.liger_fused_linear_cross_entropy_sm90(x, W,
+    t)`` (mean over targets != -100; "gradient in forward": one WGMMA logits GEMM stored once as bf16 [N, V] and
+    overwritten in place by dZ, dX in the forward, dW in the backward). Needs ``nvidia-cutlass-dsl`` (``import
+    cutlass.cute``; the QuACK wheel route: ``quack_wheels.sh``, ``device.sh quack1 quack2``) and cuda-python's
+    ``cuda.bindings``. ``fn.skip(x, w)`` says where it cannot run (:func:`cute_skip`); ``{}`` with the reason
+    printed where it does not import."""
+    try:
+        from liger_kernel.ops.cutedsl.ops import fused_linear_cross_entropy_sm90 as m
+    except Exception as e:  # noqa: BLE001  (ImportError: no cutlass DSL / cuda-python; older Liger)
+        print(f"liger_cute unavailable: {type(e).__name__}: {str(e)[:200]}")
+        return {}
+    tile_m, tile_n = getattr(m, "TILE_M", 128), getattr(m, "TILE_N", 256)
+
+    def liger_cute(x, w, t):
+        return m.liger_fused_linear_cross_entropy_sm90(x, w, t)
+
+    liger_cute.skip = functools.partial(cute_skip, tile_m=tile_m, tile_n=tile_n)
+    return {"liger_cute": liger_cute}
 
 
 def _impls():
@@ -123,6 +171,7 @@ def _impls():
             impls["liger_c16"] = liger_c16
     except Exception as e:  # noqa: BLE001
         print("liger chunk_mem_const unavailable:", e)
+    impls.update(liger_cute_impls())
     if torch_lce() is not None:
         impls["torch_lce"] = torch_lce()
     try:
@@ -170,8 +219,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=0,
                     help="after each case, time the steady fwd+bwd of the three matmuls and of every impl again in K "
                          "interleaved rounds and report each impl's median ratio to flce in the same round")
+    common.add_timing_args(ap)
     args = ap.parse_args(argv)
     common.check_case_args(ap, args)
+    common.check_timing_args(ap, args)
     if args.rounds < 0:
         ap.error(f"--rounds must be >= 0, got {args.rounds}")
     if args.rounds and interleaved_ms is None:
@@ -200,76 +251,113 @@ def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
             break
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     dt = DTYPES[args.dtype]
     impls = _impls()
     if args.impls:
         impls = {k: v for k, v in impls.items() if k in args.impls.split(",")}
     rows = []
     dev = torch.device("cuda")
+    tm = common.Timers(args.reps, args.steady_calls, args.idle_ms, dev)
     warm_up(dev)
     for name, mode, h, v in common.cases(args):
         x, w, t = bench_data.make_inputs(args.n, h, v, mode=mode, dtype=dt, device=dev, seed=0,
                                          sorted_vocab=args.sorted_vocab, fixture=args.fixture or None)
         print(f"{name} H={h} V={v} data={mode}")
-        dcols = common.describe_cols(x, w, t)
-        torch.cuda.empty_cache()
-        x.requires_grad_()
-        w.requires_grad_()
-        mm = time_ms(lambda: x.detach() @ w.detach().T, args.reps)
-        mm3 = time_ms(three_matmuls(x.detach(), w.detach()), args.reps)  # x @ W.T, dy @ W, dy.T @ x back to back
-        plan = common.chunk_plan(x, v)
-        mmc = time_ms(chunked_matmuls(x.detach(), w.detach(), plan), args.reps) if plan and chunked_matmuls else float("nan")
-        torch.cuda.empty_cache()
-        print(f"  {'matmul':15} {mm:8.2f} ms  (three distinct matmuls {mm3:.2f} ms = {mm3 / (3 * mm):.3f}x 3 x this;"
-              f" as flce's {plan}-row chunks {mmc:.2f} ms = {mmc / mm3:.3f}x them)", flush=True)
-        grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
-        case_start = len(rows) + 1  # the case's impl rows follow its matmul row
-        rows.append(dict(shape=name, data=mode, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0,
-                         ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0,
-                         floor3_ms=mm3, ratio_fb3=3 * mm / mm3, plan_rows=plan, plan_ms=mmc, ratio_plan=3 * mm / mmc,
-                         **dcols))
-        steps = fwd_bwd_steps(impls, x, w, t)
-        for iname, fn in impls.items():
-            fb = steps[iname]
-
-            def fo():
-                with torch.no_grad():
-                    fn(x, w, t)
-
-            try:
-                fb_ms = time_ms(fb, args.reps)
-                st_ms = cuda_steady_ms(fb, max(3, args.reps // 2))
-                mem = peak_gib(fb, x, w)
-                x.grad = w.grad = None
-                f_ms = time_ms(fo, args.reps)
-                f_mem = peak_gib(fo, x, w)
-            except Exception as e:  # noqa: BLE001
-                common.failed(f"{name}/{mode}/{iname}", e)
-                x.grad = w.grad = None
-                torch.cuda.empty_cache()
-                continue
-            rows.append(dict(shape=name, data=mode, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
-                             ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, steady_ms=st_ms,
-                             ratio_steady=st_ms / (3 * mm), extra_gib=mem - grads_gib, fwd_mem_gib=f_mem,
-                             floor3_ms=mm3, ratio_fb3=fb_ms / mm3, plan_rows=plan, plan_ms=mmc,
-                             ratio_plan=fb_ms / mmc, **dcols))
-            # each row as soon as it is timed (a call cut off at its limit keeps what it measured)
-            print(f"  {iname:15} {fb_ms:8.2f} ms ({fb_ms / (3 * mm):.2f}x 3mm)  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)"
-                  f"  extra {mem - grads_gib:.2f} GiB", flush=True)
-            torch.cuda.empty_cache()
-        if args.rounds:
-            interleave(rows[case_start:], steps, x, w, args.rounds, plan)
-        del x, w, t, steps
+        rows += run_case(name, mode, x, w, t, impls, args, tm)
+        del x, w, t
         torch.cuda.empty_cache()
         common.save(rows, common.csv_name(f"bench_{args.dtype}", args.data), args)
-    print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul)")
+    print(f"\n{torch.cuda.get_device_name()}  dtype={args.dtype}  N={args.n}  (matmul row: fwd_bwd = 3 x one matmul;"
+          f" 3mm row: the three distinct matmuls; single = one call from an idle GPU ({args.idle_ms:g} ms sleep after a"
+          f" sync), steady = {args.steady_calls} calls back to back behind one, per call; host = single - steady)")
     print_table(rows)
     import torch.distributed as dist
 
     if dist.is_initialized():  # the one-rank group DeepSpeed's function needed
         dist.destroy_process_group()
+
+
+def _empty_cache(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def skip_reason(fn, x: torch.Tensor, w: torch.Tensor) -> str:
+    """Why ``fn`` cannot run on these inputs ("" if it can): an impl with constraints carries a ``skip(x, w)``."""
+    check = getattr(fn, "skip", None)
+    return check(x, w) if check is not None else ""
+
+
+def run_case(name: str, mode: str, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, impls: dict,
+             args: argparse.Namespace, tm: common.Timers) -> list[dict]:
+    """One (shape, data mode): the ``matmul`` row (one ``x @ W.T``, fwd_bwd = 3 of it), the ``3mm`` row (the three
+    distinct matmuls, both timing modes) and one row per impl that can run here (one that cannot prints why),
+    each in both timing modes (``tm``: :class:`common.Timers`) with its peak memory and forward-only time; then
+    the interleaved rounds (``--rounds``). ``x``, ``w`` become leaves that require grad."""
+    dcols = common.describe_cols(x, w, t)
+    _empty_cache(x)
+    x.requires_grad_()
+    w.requires_grad_()
+    xd, wd = x.detach(), w.detach()
+    mm = tm.single(lambda: xd @ wd.T)
+    mm3_fn = three_matmuls(xd, wd)  # x @ W.T, dy @ W, dy.T @ x back to back
+    mm3, mm3s = tm.single(mm3_fn), tm.steady(mm3_fn)
+    del mm3_fn
+    plan = common.chunk_plan(x, w.shape[0])
+    mmc = tm.single(chunked_matmuls(xd, wd, plan)) if plan and chunked_matmuls else float("nan")
+    _empty_cache(x)
+    print(f"  {'matmul':15} {mm:8.2f} ms  (three distinct matmuls {mm3:.2f} ms single, {mm3s:.2f} steady ="
+          f" {mm3 / (3 * mm):.3f}x 3 x this; as flce's {plan}-row chunks {mmc:.2f} ms = {mmc / mm3:.3f}x them)",
+          flush=True)
+    grads_gib = (x.numel() + w.numel()) * x.element_size() / 2**30
+    timing = dict(steady_calls=tm.steady_calls, idle_ms=tm.idle_s * 1e3, floor3_ms=mm3, floor3_steady_ms=mm3s,
+                  plan_rows=plan, plan_ms=mmc)
+    rows = [dict(shape=name, data=mode, impl="matmul", fwd_bwd_ms=3 * mm, fwd_ms=mm, mem_gib=0.0, ratio_fb=1.0,
+                 ratio_f=1.0, steady_ms=3 * mm, ratio_steady=1.0, extra_gib=0.0, fwd_mem_gib=0.0,
+                 ratio_fb3=3 * mm / mm3, ratio_plan=3 * mm / mmc, **timing, **dcols),
+            dict(shape=name, data=mode, impl="3mm", fwd_bwd_ms=mm3, fwd_ms=mm, mem_gib=float("nan"),
+                 ratio_fb=mm3 / (3 * mm), ratio_f=1.0, ratio_steady=mm3s / (3 * mm), extra_gib=float("nan"),
+                 fwd_mem_gib=float("nan"), ratio_fb3=1.0, ratio_plan=mm3 / mmc,
+                 **common.mode_cols(mm3, mm3s, mm3, mm3s), **timing, **dcols)]
+    steps = fwd_bwd_steps(impls, x, w, t)
+    for iname, fn in impls.items():
+        why = skip_reason(fn, x, w)
+        if why:
+            print(f"  {iname:15} skipped: {why}", flush=True)
+            continue
+        fb = steps[iname]
+
+        def fo():
+            with torch.no_grad():
+                fn(x, w, t)
+
+        try:
+            fb_ms = tm.single(fb)
+            st_ms = tm.steady(fb)
+            mem = tm.peak(fb, x, w)
+            x.grad = w.grad = None
+            f_ms = tm.single(fo)
+            f_mem = tm.peak(fo, x, w)
+        except Exception as e:  # noqa: BLE001
+            common.failed(f"{name}/{mode}/{iname}", e)
+            x.grad = w.grad = None
+            _empty_cache(x)
+            continue
+        rows.append(dict(shape=name, data=mode, impl=iname, fwd_bwd_ms=fb_ms, fwd_ms=f_ms, mem_gib=mem,
+                         ratio_fb=fb_ms / (3 * mm), ratio_f=f_ms / mm, ratio_steady=st_ms / (3 * mm),
+                         extra_gib=mem - grads_gib, fwd_mem_gib=f_mem, ratio_fb3=fb_ms / mm3, ratio_plan=fb_ms / mmc,
+                         **common.mode_cols(fb_ms, st_ms, mm3, mm3s), **timing, **dcols))
+        # each row as soon as it is timed (a call cut off at its limit keeps what it measured)
+        print(f"  {iname:15} single {fb_ms:8.2f} ms ({fb_ms / mm3:.3f}x 3mm)  steady {st_ms:8.2f} ms"
+              f" ({st_ms / mm3s:.3f}x 3mm)  host {fb_ms - st_ms:6.2f} ms (adj {fb_ms - st_ms - (mm3 - mm3s):.2f})  peak {mem:.2f} GiB (extra {mem - grads_gib:.2f})"
+              f"  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)", flush=True)
+        _empty_cache(x)
+    if args.rounds:
+        interleave([r for r in rows[2:]], steps, x, w, args.rounds, plan)
+    del steps
+    return rows
 
 
 def fwd_bwd_steps(impls: dict, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> dict:
@@ -325,10 +413,10 @@ def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, 
     print(line, flush=True)
 
 
-TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "15"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
-         ("x3mm", "ratio_fb", "6.2f"), ("steady", "steady_ms", "8.2f"), ("x3mm", "ratio_steady", "6.2f"),
-         ("fwd ms", "fwd_ms", "8.2f"), ("x1mm", "ratio_f", "6.2f"), ("peak GiB", "mem_gib", "9.2f"),
-         ("extra", "extra_gib", "6.2f"), ("fwd GiB", "fwd_mem_gib", "8.2f"), ("x3dist", "ratio_fb3", "6.2f"),
+TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "15"), ("single ms", "fwd_bwd_ms", "9.2f"),
+         ("x3dist", "ratio_fb3", "6.3f"), ("steady", "steady_ms", "8.2f"), ("x3dist", "steady_x3mm", "6.3f"),
+         ("host", "host_ms", "6.2f"), ("peak GiB", "mem_gib", "8.2f"), ("extra", "extra_gib", "6.2f"),
+         ("fwd ms", "fwd_ms", "8.2f"), ("x1mm", "ratio_f", "6.2f"), ("fwd GiB", "fwd_mem_gib", "8.2f"),
          ("xplan", "ratio_plan", "6.2f")]
 # --rounds: the interleaved median and the median per-round ratio to flce (printed only when some row has them)
 ROUND_COLUMNS = [("rounds", "rounds_ms", "8.2f"), ("/flce", "vs_flce", "6.3f")]

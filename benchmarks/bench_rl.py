@@ -1,14 +1,16 @@
 """RL / post-training head benchmark (issue #16): per-token log-probs and entropy, with gradients.
 
     python benchmarks/bench_rl.py [--shapes llama3,qwen3,gemma] [--n 8192] [--data random,realistic]
-        [--impls flce_rl,flce_loss,flce_mean,liger,torch (default; also flce_rl_filter,flce_rl_gather)]
-        [--temperature 0.7] [--beta 0.01] [--reps 10]
+        [--impls flce_rl,flce_loss,flce_mean,liger,liger_sm90,liger_sm90_noent,torch (default; also
+                 flce_rl_filter,flce_rl_gather)]
+        [--temperature 0.7] [--beta 0.01] [--reps 10] [--steady-calls 4] [--idle-ms 2] [--liger-target-check]
         [--check-n 512] [--out DIR]                                     # TP=1, one GPU
     torchrun --nproc_per_node=2 benchmarks/bench_rl.py [same options]    # TP=2 (NCCL)
     python benchmarks/bench_rl.py --cpu-smoke [--out DIR]                # CPU, Helion reference mode, tiny shape
     torchrun --nproc_per_node=2 benchmarks/bench_rl.py --cpu-smoke       # the same on 2 gloo ranks
 
 Every row times forward+backward of the RL objective  obj = (adv * logp).sum() + beta * entropy.sum()
+(``_noent`` rows and ``flce_loss``: obj = (adv * logp).sum(), no entropy)
 with z = x @ W.T, p = softmax(z / T) over the GLOBAL vocab, logp = log p[target], entropy = -(p * log p).sum();
 adv a fixed float32 N(0, 1) per-token advantage, beta = --beta, T = --temperature (a sampling temperature),
 bf16 inputs, target = the data mode's. Rows (``--impls``):
@@ -32,6 +34,15 @@ bf16 inputs, target = the data mode's. Rows (``--impls``):
              torch ops in 512-token chunks, entropy in the input dtype); TP>1 the native CUTLASS + NVSHMEM kernel when
              liger_cute_kernels is installed (the group needs an NVSHMEM team), else its 512-token torch fallback.
              The TP function takes vocab_start = rank * V_r: equal shards only (the row is skipped otherwise).
+  liger_sm90 Liger-Kernel 0.8.5's CuTe DSL Hopper kernel called directly (issue 53):
+             liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90.LigerFusedScaledCrossEntropySM90Function
+             .apply(x, W, t, T, -100, 1, True) -> (nll float32 [N], entropy bf16 [N]); forward never writes the logits,
+             backward one persistent kernel (dZ, dX, dW in 1024-token waves). TP=1, sm_90, bf16 only (skipped with
+             the reason elsewhere). Its forward's target range check (``bool(out_of_range.any())``: a host sync
+             every call) is off (LIGER_SCALED_CE_SM90_VALIDATE_TARGETS=0 around the call; flce's own target check
+             never syncs on CUDA), unless --liger-target-check. Peer of flce_rl.
+  liger_sm90_noent  the same with return_entropy=False (per-token NLL only); peer of flce_loss (flce's per-token
+             log-probs without the entropy).
   torch      materialised float32 logits, no chunking. TP=1: z = (x @ W.T).float() / T, logp =
              log_softmax(z).gather(t), entropy = -(softmax(z) * log_softmax(z)).sum(-1). TP>1: Megatron-style on
              the [N, V/P] float32 shard logits (max, then sum exp, sum exp * z and the target logit summed over
@@ -50,21 +61,26 @@ entropy so both gradients count); flce_rl and torch run in float32, liger in bf1
 only); the relative error ||got - ref|| / ||ref|| of logp, entropy, dX and dW (the shard) is printed, the max over
 ranks; an AssertionError if flce_rl or torch > 1e-3, liger > 2e-2 (bf16 inputs, bf16 entropy / dW); a liger call
 that raises there (a missing kernel dependency) is printed and the row left out.
-Times are the max over ranks of the per-rank median fwd+bwd (CUDA events; CPU: perf_counter), ``ratio`` is to
-the flce_loss row of the same shape and data, ``mem_gib`` the per-rank peak above the inputs with the gradients
-(max over ranks; nan on CPU). Writes ``bench_rl_tp<P>.csv`` (``_n<N>`` for N != 8192, ``_<modes>`` unless --data
-is the default) to benchmarks/results and --out (--cpu-smoke: ``bench_rl_tp<P>_smoke.csv`` to --out only);
+Times (issue 53: both timing modes, ``common.Timers``; CUDA events, CPU: perf_counter; the max over ranks of
+each rank's median): ``fwd_bwd_ms`` = ``single_ms``, each call from an idle GPU (a sync, under TP a barrier, then
+--idle-ms of sleep); ``steady_ms``, --steady-calls calls back to back behind one untimed call, per call;
+``host_ms`` = single - steady (``host_adj_ms``: less the 3mm's own single - steady). ``single_x3mm`` /
+``steady_x3mm``: against the three distinct matmuls of this rank's shard (``_timing.three_matmuls``: the
+``floor3_ms`` / ``floor3_steady_ms`` columns) timed in the same mode in the same run (the RL head's recompute plan issues 4: forward logits, backward logits, dX, dW). ``ratio`` /
+``ratio_steady`` are to the flce_loss row of the same shape and data; ``peer`` names a Liger row's flce
+counterpart and ``vs_peer`` / ``vs_peer_steady`` its time over the peer's (> 1: Liger slower). ``mem_gib`` the
+per-rank peak above the inputs with the gradients (max over ranks; nan on CPU). Writes ``bench_rl_tp<P>.csv``
+(``_n<N>`` for N != 8192, ``_<modes>`` unless --data is the default) to benchmarks/results and --out (--cpu-smoke: ``bench_rl_tp<P>_smoke.csv`` to --out only);
 prints the table last. Rows carry the data mode's ``d_*`` numbers as in bench.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -74,15 +90,23 @@ import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else t
 import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
-from flce_dist._timing import SHAPES, cuda_time_ms, peak_gib  # noqa: E402
+from flce_dist._timing import SHAPES, three_matmuls  # noqa: E402
 from bench_tp import _CopyToTP  # noqa: E402
 
-IMPLS = ("flce_rl", "flce_rl_filter", "flce_rl_gather", "flce_loss", "flce_mean", "liger", "torch")
-DEFAULT_IMPLS = ("flce_rl", "flce_loss", "flce_mean", "liger", "torch")  # the filter rows on request
-TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "10"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
-         ("x flce_loss", "ratio", "11.3f"), ("peak GiB/rank", "mem_gib", "14.2f")]
+IMPLS = ("flce_rl", "flce_rl_filter", "flce_rl_gather", "flce_loss", "flce_mean", "liger", "liger_sm90",
+         "liger_sm90_noent", "torch")
+# the filter rows on request
+DEFAULT_IMPLS = ("flce_rl", "flce_loss", "flce_mean", "liger", "liger_sm90", "liger_sm90_noent", "torch")
+PEERS = {"liger": "flce_rl", "liger_sm90": "flce_rl", "liger_sm90_noent": "flce_loss"}  # a Liger row's flce counterpart
+TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "16"), ("single ms", "fwd_bwd_ms", "9.2f"),
+         ("x3mm", "single_x3mm", "6.3f"), ("steady", "steady_ms", "8.2f"), ("x3mm", "steady_x3mm", "6.3f"),
+         ("host", "host_ms", "6.2f"), ("x flce_loss", "ratio", "11.3f"), ("/peer", "vs_peer", "6.3f"),
+         ("/peer st", "vs_peer_steady", "8.3f"), ("peak GiB/rank", "mem_gib", "14.2f")]
+SM90_CHECK_ENV = "LIGER_SCALED_CE_SM90_VALIDATE_TARGETS"  # Liger's switch for its forward's host-syncing target check
 RL_SHAPES = {**SHAPES, "tiny": (32, 1000)}  # tiny: --cpu-smoke
-TOL = {"flce_rl": 1e-3, "flce_rl_filter": 2e-2, "flce_rl_gather": 2e-2, "torch": 1e-3, "liger": 2e-2}
+TOL = {"flce_rl": 1e-3, "flce_rl_filter": 2e-2, "flce_rl_gather": 2e-2, "torch": 1e-3, "liger": 2e-2, "liger_sm90": 2e-2,
+       "liger_sm90_noent": 2e-2}
+LIGER = ("liger", "liger_sm90", "liger_sm90_noent")  # bf16-only kernels: checked in bf16
 
 
 class _SumTP(torch.autograd.Function):
@@ -168,31 +192,60 @@ def liger_fn(dev, p, dtype):
             "native CUTLASS+NVSHMEM" if native else "TP fallback 512-token chunks")
 
 
+@contextlib.contextmanager
+def _env(key, val):
+    """``os.environ[key] = val`` inside the block (``val`` None: leave it as it is)."""
+    old = os.environ.get(key)
+    if val is not None:
+        os.environ[key] = val
+    try:
+        yield
+    finally:
+        if val is not None:
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def liger_sm90_fn(dev, p, dtype, entropy, target_check=False):
+    """Liger 0.8.5's ``LigerFusedScaledCrossEntropySM90Function`` called directly (not through the dispatcher):
+    ``(logp, entropy float32)``, or ``(logp, None)`` with ``entropy`` False; (None, reason) where it cannot run
+    (TP > 1, not CUDA sm_90, not bf16, the CuTe DSL not importable). ``target_check`` False: the forward's host-
+    syncing target range check off for the call (``SM90_CHECK_ENV``)."""
+    if p > 1:
+        return None, "a single-GPU kernel (TP=1 only)"
+    if dev.type != "cuda":
+        return None, "needs a CUDA sm_90 GPU"
+    if dtype != torch.bfloat16:
+        return None, f"bf16 only, not {dtype}"
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        return None, f"needs sm_90 (Hopper), this GPU is sm_{''.join(map(str, torch.cuda.get_device_capability(dev)))}"
+    try:
+        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import \
+            LigerFusedScaledCrossEntropySM90Function as F
+    except Exception as e:  # noqa: BLE001  (no nvidia-cutlass-dsl / cuda-python, an older Liger)
+        return None, f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+    env = None if target_check else "0"
+
+    def rl(x, w, t, temp, group, *_):
+        with _env(SM90_CHECK_ENV, env):
+            out = F.apply(x, w, t, temp, -100, 1, entropy)
+        return _neg(out) if entropy else (-out, None)
+
+    return rl, (f"LigerFusedScaledCrossEntropySM90Function, entropy {'on' if entropy else 'off'}, target check "
+                f"{'on (host sync)' if target_check else 'off'}")
+
+
 def _neg(out):
     nll, ent = out
     return -nll, ent.float()
 
 
 def _rl_obj(logp, ent, adv, beta):
-    return (adv * logp).sum() + beta * ent.sum()
-
-
-def timed(fn, reps, dev, group):
-    """Median fwd+bwd ms of this rank (a barrier before each timed call under TP), the max over ranks."""
-    before = (lambda: dist.barrier(group=group)) if group is not None else None
-    if dev.type == "cuda":
-        ms = cuda_time_ms(fn, reps, before=before)
-    else:
-        fn()
-        ts = []
-        for _ in range(reps):
-            if before:
-                before()
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        ms = statistics.median(ts)
-    return _max_over_ranks(ms, dev, group)
+    """The objective; ``ent`` None (an entropy-off row): the log-prob term alone."""
+    obj = (adv * logp).sum()
+    return obj if ent is None else obj + beta * ent.sum()
 
 
 def _max_over_ranks(val, dev, group):
@@ -211,23 +264,27 @@ def check(pairs, xf, wf, t, temp, group, s, e, dev):
     c1, c2 = (torch.randn(t.shape[0], device=dev, generator=g) for _ in range(2))
     xr, wr = xf.float().requires_grad_(), wf.float().requires_grad_()
     lp, en = torch_rl(xr, wr, t, temp)
-    ((c1 * lp).sum() + (c2 * en).sum()).backward()
+    # the reference gradients with the entropy term and without it (the entropy-off rows return None for it)
+    ref_grads = {True: torch.autograd.grad((c1 * lp).sum() + (c2 * en).sum(), (xr, wr), retain_graph=True),
+                 False: torch.autograd.grad((c1 * lp).sum(), (xr, wr))}
     failed = []
     for name, fn in pairs.items():
-        dt = torch.float32 if name != "liger" else xf.dtype
+        dt = torch.float32 if name not in LIGER else xf.dtype
         x = xf.to(dt).clone().requires_grad_()
         w = wf[s:e].to(dt).clone().requires_grad_()
         try:
             lp2, en2 = fn(x, w, t, temp, group, s)
-            ((c1 * lp2).sum() + (c2 * en2).sum()).backward()
+            ((c1 * lp2).sum() + (0 if en2 is None else (c2 * en2).sum())).backward()
         except Exception as ex:  # noqa: BLE001
-            if name != "liger":
+            if name not in LIGER:
                 raise
-            print(f"  liger left out: {type(ex).__name__}: {str(ex)[:300]}")
+            print(f"  {name} left out: {type(ex).__name__}: {str(ex)[:300]}")
             failed.append(name)
             continue
-        errs = dict(logp=_rel(lp2, lp), entropy=_rel(en2.float(), en), dX=_rel(x.grad, xr.grad),
-                    dW=_rel(w.grad, wr.grad[s:e]))
+        gx, gw = ref_grads[en2 is not None]
+        errs = dict(logp=_rel(lp2, lp), dX=_rel(x.grad, gx), dW=_rel(w.grad, gw[s:e]))
+        if en2 is not None:
+            errs["entropy"] = _rel(en2.float(), en)
         errs = {k: _max_over_ranks(v, dev, group) for k, v in errs.items()}
         worst = max(errs.values())
         if group is None or dist.get_rank(group) == 0:
@@ -249,13 +306,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check-n", type=int, default=512, help="tokens of the correctness check (0: skip)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--cpu-smoke", action="store_true", help="--device cpu, shape tiny (H=32, V=1000), N=64")
+    ap.add_argument("--liger-target-check", action="store_true",
+                    help="liger_sm90 rows: keep Liger's host-syncing target range check on (default: off, as flce)")
+    common.add_timing_args(ap)
+    ap.set_defaults(steady_calls=None)
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
     args.device = "cpu" if smoke else args.device
     args.shapes = args.shapes or ("tiny" if smoke else common.DEFAULT_SHAPES)
     args.n = args.n or (64 if smoke else common.DEFAULT_N)
     args.reps = args.reps or (2 if smoke else 10)
+    args.steady_calls = args.steady_calls or (2 if smoke else common.STEADY_CALLS)
     common.check_case_args(ap, args, RL_SHAPES)
+    common.check_timing_args(ap, args)
     bad = [i for i in args.impls.split(",") if i not in IMPLS]
     if bad:
         ap.error(f"unknown {bad} (impls: {list(IMPLS)})")
@@ -280,12 +343,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     group = dist.group.WORLD if p > 1 else None
     say = print if rank == 0 else (lambda *a, **k: None)
     dt, temp, beta = torch.bfloat16, args.temperature, args.beta
+    barrier = (lambda: dist.barrier(group=group)) if group is not None else None
+    tm = common.Timers(args.reps, args.steady_calls, args.idle_ms, dev, before=barrier,
+                       warmup=3 if dev.type == "cuda" else 1)
     rl = {}  # name -> fn(x, w, t, temp, group, vocab_start) -> (logp, entropy)
     notes = {"flce_loss": "anchor: reduction=none, no entropy", "flce_mean": "reduction=mean loss, no entropy"}
     impls = args.impls.split(",")
     tnote = "Megatron fp32 shard logits" if p > 1 else "materialised fp32 logits"
     getters = {"flce_rl": flce_rl_fn, "flce_rl_filter": lambda: flce_rl_fn("copy"),
                "flce_rl_gather": lambda: flce_rl_fn("gather"), "liger": lambda: liger_fn(dev, p, dt),
+               "liger_sm90": lambda: liger_sm90_fn(dev, p, dt, True, args.liger_target_check),
+               "liger_sm90_noent": lambda: liger_sm90_fn(dev, p, dt, False, args.liger_target_check),
                "torch": lambda: (torch_rl, tnote)}
     for name, get in getters.items():
         if name not in impls:
@@ -326,15 +394,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
         objs["flce_loss"] = lambda: (adv * -fl(x, w, t, group=group, reduction="none", temperature=temp)).sum()
         objs["flce_mean"] = lambda: fl(x, w, t, group=group, temperature=temp)
         shape_rows = []
+        nan = float("nan")
+        xd, wd = x.detach(), w.detach()
+        floor = three_matmuls(xd, wd)  # this rank's three distinct matmuls, both modes
+        f1, f2 = (_max_over_ranks(v, dev, group) for v in (tm.single(floor), tm.steady(floor)))
+        floor = xd = wd = None
+        say(f"  3mm {f1:.2f} ms single, {f2:.2f} steady")
         for iname in live:
             fb = common.fwd_bwd(objs[iname], x, w)
-            nan = float("nan")
             row = dict(shape=name, data=mode, impl=iname, P=p, N=args.n, T=temp, fwd_bwd_ms=nan, ratio=nan, mem_gib=nan,
-                       note=notes.get(iname, ""))
+                       note=notes.get(iname, ""), single_ms=nan, steady_ms=nan, host_ms=nan, single_x3mm=nan,
+                       steady_x3mm=nan, ratio_steady=nan, peer=PEERS.get(iname, ""), vs_peer=nan, vs_peer_steady=nan,
+                       floor3_ms=f1, floor3_steady_ms=f2, steady_calls=args.steady_calls, idle_ms=args.idle_ms)
             try:
-                row["fwd_bwd_ms"] = timed(fb, args.reps, dev, group)
+                single = _max_over_ranks(tm.single(fb), dev, group)
+                steady = _max_over_ranks(tm.steady(fb), dev, group)
+                row.update(fwd_bwd_ms=single, **common.mode_cols(single, steady, f1, f2))
                 if dev.type == "cuda":
-                    row["mem_gib"] = _max_over_ranks(peak_gib(fb, x, w), dev, group)
+                    row["mem_gib"] = _max_over_ranks(tm.peak(fb, x, w), dev, group)
             except torch.OutOfMemoryError:
                 row["note"] = "OOM"
             except Exception as ex:  # noqa: BLE001
@@ -345,10 +422,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 x.grad = w.grad = None
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+            say(f"  {iname:16} single {row['single_ms']:8.2f} ms  steady {row['steady_ms']:8.2f} ms  peak "
+                f"{row['mem_gib']:.2f} GiB", flush=True)
             shape_rows.append({**row, **dcols})
-        anchor = [r["fwd_bwd_ms"] for r in shape_rows if r["impl"] == "flce_loss"]
+        by_impl = {r["impl"]: r for r in shape_rows}
+        anchor = by_impl.get("flce_loss")
         for r in shape_rows:
-            r["ratio"] = r["fwd_bwd_ms"] / anchor[0] if anchor else float("nan")
+            if anchor is not None:
+                r["ratio"] = r["fwd_bwd_ms"] / anchor["fwd_bwd_ms"]
+                r["ratio_steady"] = r["steady_ms"] / anchor["steady_ms"]
+            peer = by_impl.get(r["peer"])
+            if peer is not None:
+                r["vs_peer"] = r["single_ms"] / peer["single_ms"]
+                r["vs_peer_steady"] = r["steady_ms"] / peer["steady_ms"]
         rows += shape_rows
         x = w = t = adv = objs = None  # free this shape before the next (the closures see the None)
     if rank == 0 and rows:
@@ -362,7 +448,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         elif not args.cpu_smoke:
             common.save(rows, fname, args)
         devname = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-        print(f"\nTP={p} {devname} bf16 N={args.n} T={temp} beta={beta}  (obj = (adv*logp).sum() + beta*entropy.sum())")
+        print(f"\nTP={p} {devname} bf16 N={args.n} T={temp} beta={beta}  (obj = (adv*logp).sum() + beta*entropy.sum();"
+              f" single = one call from an idle GPU, {args.idle_ms:g} ms sleep after a sync; steady = {args.steady_calls}"
+              f" calls back to back behind one, per call; host = single - steady; /peer = this row over its flce peer)")
         common.print_table(rows, TABLE + [("note", "note", "")], None)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -512,6 +512,61 @@ step_quack2() {
   export PYTHONPATH=/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-$PWD}
 }
 
+# ---------------------------------------------------------------- issue 53: the newest peers, both timing modes
+# put the CuTe DSL that quack2 installed on a warm machine back on PYTHONPATH (a later call on the same machine;
+# quack2 itself exports it for the steps after it in its own call); says whether `import cutlass.cute` works
+step_cutedsl() {
+  if [ -d /tmp/site-packages/nvidia_cutlass_dsl ]; then
+    case ":${PYTHONPATH:-}:" in *:/tmp/site-packages:*) ;; *)
+      export PYTHONPATH=/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages:${PYTHONPATH:-$PWD} ;; esac
+  fi
+  python3 -c "import cutlass.cute, cuda.bindings.driver; print('cutlass DSL', getattr(cutlass, '__version__', '?'), 'importable')" \
+    2>&1 | tail -1
+}
+
+# bench.py with Liger's CuTe DSL SM90 FLCE (liger_cute) beside flce and Liger C16, both timing modes (single from an
+# idle GPU, steady) and both data modes, one process per "N:shapes" in CUTE_RUNS (default llama3 at N=1024 4096
+# 8192; a second call CUTE_RUNS=8192:qwen3,gemma, where CuTe skips V % 256 != 0 with its reason); after quack1 +
+# quack2 (or cutedsl) on the same machine (CUTE_IMPLS, BENCH_DATA, BENCH_REPS=10, CUTE_TIMEOUT=170 per run,
+# ISSUE_ROUNDS=0, BENCH_TAIL=16)
+step_benchcute() {
+  step_cutedsl
+  for run in ${CUTE_RUNS:-1024:llama3 4096:llama3 8192:llama3}; do
+    timeout ${CUTE_TIMEOUT:-170} python3 benchmarks/bench.py --n "${run%%:*}" --shapes "${run#*:}" \
+      --impls ${CUTE_IMPLS:-flce,liger_cute,liger_c16} --data ${BENCH_DATA:-random,realistic} \
+      --reps ${BENCH_REPS:-10} --rounds ${ISSUE_ROUNDS:-0} --out "$OUT" 2>&1 | flt \
+      | tee "$OUT/benchcute_${run%%:*}_${run#*:}.log" | tail -${BENCH_TAIL:-16}
+  done
+}
+
+# bench_rl.py with Liger's CuTe DSL fused scaled CE (liger_sm90 with the entropy, liger_sm90_noent without) beside
+# flce_rl / flce_loss, both timing modes, one process per "N:shapes" in RLCUTE_RUNS (default N=1024 and 8192 at llama3
+# and qwen3; also 2048) and temperature in RL_TEMPS (default 0.7; a second call RL_TEMPS=1.0); after quack1 + quack2
+# (or cutedsl) (RLCUTE_IMPLS, BENCH_DATA, RL_REPS=10, RL_TIMEOUT=250, RL_TAIL=12)
+step_rlcute() {
+  step_cutedsl
+  for temp in ${RL_TEMPS:-0.7}; do
+    for run in ${RLCUTE_RUNS:-1024:llama3,qwen3 8192:llama3,qwen3}; do
+      timeout ${RL_TIMEOUT:-250} python3 benchmarks/bench_rl.py --out "$OUT" --n "${run%%:*}" --shapes "${run#*:}" \
+        --impls ${RLCUTE_IMPLS:-flce_rl,flce_loss,liger_sm90,liger_sm90_noent} --temperature "$temp" \
+        --data ${BENCH_DATA:-random,realistic} --reps ${RL_REPS:-10} 2>&1 | flt \
+        | tee "$OUT/rlcute_${run%%:*}_${run#*:}_T$temp.log" | tail -${RL_TAIL:-12}
+    done
+  done
+}
+
+# probes/host_cost.py: flce's host cost per fwd+bwd at the llama3 head: single - steady, kernel launches by class
+# (Helion vs torch vs cuBLAS), host time per phase behind a busy GPU (HOST_NS=1024,2048,4096, HOST_SHAPE=llama3,
+# HOST_REPS=30, HOSTCOST_TIMEOUT=300), then the per-phase op list of one N=1024 call (--trace, on the GPU)
+step_hostcost() {
+  timeout ${HOSTCOST_TIMEOUT:-300} python3 benchmarks/probes/host_cost.py --ns ${HOST_NS:-1024,2048,4096} \
+    --shape ${HOST_SHAPE:-llama3} --reps ${HOST_REPS:-30} --out "$OUT" 2>&1 | flt > "$OUT/host_cost.log"
+  summary "$OUT/host_cost.log" host_cost
+  timeout 120 python3 benchmarks/probes/host_cost.py --trace --n 1024 --h 4096 --v 128256 --out "$OUT" 2>&1 | flt \
+    > "$OUT/host_cost_trace.log"
+  grep "^=== trace\|^  [a-zA-Z]" "$OUT/host_cost_trace.log" | cut -c1-240
+}
+
 # issue 30's host cost per tree (AB_TREES=".old ."): fixed_cost.py (FIXED_NS=1024,4096, FIXED_SHAPES=4096x32000,
 # FIXED_REPS=20), then host_profile.py on this tree only (HOST_CASES=1024x4096x32000)
 step_hostab() {

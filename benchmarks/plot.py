@@ -134,7 +134,7 @@ def main() -> None:
         ratio_key = next(k for k in ("ratio3", "ratio", "ratio_fb3", "ratio_fb") if k in rows[0])
         distinct = ratio_key in ("ratio3", "ratio_fb3")
         shapes = list(dict.fromkeys(r["shape"] for r in rows))
-        impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i not in ("matmul", "floor")]
+        impls = [i for i in dict.fromkeys(r["impl"] for r in rows) if i not in ("matmul", "3mm", "floor")]
         width = 0.8 / max(1, len(impls))
         for k, impl in enumerate(impls):
             xs, ts, ms = [], [], []

@@ -10,6 +10,12 @@
 # gemm_runtime/identity.py treats only files under */site-packages/ as library code); a --target
 # install does not run nvidia_cutlass_dsl's .pth, so device.sh adds nvidia_cutlass_dsl/dsl_packages
 # to PYTHONPATH; the image's cuda-bindings 13.3.1 is used; libs-cu12 runs on the image's driver.
+# The same two carries serve Liger 0.8.5's CuTe DSL Hopper kernels (issue 53: bench.py's liger_cute, bench_rl.py's
+# liger_sm90 rows; liger-kernel itself is in .whl): its `cutedsl` extra is nvidia-cutlass-dsl>=4.6.0 and
+# apache-tvm-ffi (optional at run time), both here; it imports cuda.bindings.driver (the image's). No other wheel:
+#   call 1, carry .qk1:                                 bash benchmarks/device.sh quack1
+#   call 2, carry .qk2 .whl .device_commit:             bash benchmarks/device.sh quack2 benchcute
+#   later calls on that warm machine, carry .whl .device_commit:  bash benchmarks/device.sh cutedsl rlcute
 set -euo pipefail
 D=$(mktemp -d)
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64

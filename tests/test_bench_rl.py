@@ -86,3 +86,69 @@ def test_cpu_smoke_two_ranks(tmp_path):
     rows = _rows(tmp_path / "bench_rl_tp2_smoke.csv")
     assert {r["impl"] for r in rows} == set(impls.split(",")) and {r["P"] for r in rows} == {"2"}
     assert all(r["note"] == "Megatron fp32 shard logits" for r in rows if r["impl"] == "torch")
+
+
+def _fake_sm90(dev, p, dtype, entropy, target_check=False, temp_factor=1.0):
+    """A stand-in for Liger's SM90 kernel on the CPU: the torch formula, entropy on or off (None)."""
+    def rl(x, w, t, temp, group, *_):
+        lp, en = bench_rl.torch_rl(x, w, t, temp * temp_factor)
+        return (lp, en) if entropy else (lp, None)
+    return rl, f"fake sm90, entropy {'on' if entropy else 'off'}"
+
+
+@pytest.mark.skipif(not HAS_RL, reason=NO_RL)
+def test_cpu_smoke_sm90_rows_against_their_flce_peers(tmp_path, monkeypatch, capsys):
+    """Issue 53: ``liger_sm90`` (entropy on) and ``liger_sm90_noent`` (off) are checked (the entropy-off row
+    against the log-prob-only reference gradient), timed in both modes, and compared with their flce peer
+    (flce_rl, flce_loss) in the same mode; on this CPU the real kernel is skipped with its reason."""
+    rows = bench_rl.main(["--cpu-smoke", "--data", "random", "--impls", "flce_rl,flce_loss,liger_sm90,liger_sm90_noent"])
+    out = capsys.readouterr().out
+    assert "skipping liger_sm90: needs a CUDA sm_90 GPU" in out and [r["impl"] for r in rows] == ["flce_rl", "flce_loss"]
+    monkeypatch.setattr(bench_rl, "liger_sm90_fn", _fake_sm90)
+    rows = bench_rl.main(["--cpu-smoke", "--data", "random", "--impls", "flce_rl,flce_loss,liger_sm90,liger_sm90_noent",
+                          "--steady-calls", "3", "--idle-ms", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "check liger_sm90 " in out and "check liger_sm90_noent " in out
+    assert "entropy" not in out.split("check liger_sm90_noent ")[1].splitlines()[0]  # no entropy to compare
+    by = {r["impl"]: r for r in rows}
+    assert list(by) == ["flce_rl", "flce_loss", "liger_sm90", "liger_sm90_noent"]
+    for impl, peer in (("liger_sm90", "flce_rl"), ("liger_sm90_noent", "flce_loss")):
+        r = by[impl]
+        assert r["peer"] == peer and r["vs_peer"] == pytest.approx(r["single_ms"] / by[peer]["single_ms"])
+        assert r["vs_peer_steady"] == pytest.approx(r["steady_ms"] / by[peer]["steady_ms"])
+    for r in rows:
+        assert r["fwd_bwd_ms"] == r["single_ms"] > 0 and r["steady_ms"] > 0 and r["steady_calls"] == 3
+        assert r["host_ms"] == pytest.approx(r["single_ms"] - r["steady_ms"])
+        assert r["single_x3mm"] == pytest.approx(r["single_ms"] / r["floor3_ms"])
+    saved = _rows(tmp_path / "bench_rl_tp1_random_smoke.csv")
+    assert {"single_ms", "steady_ms", "host_ms", "vs_peer", "vs_peer_steady", "peer", "steady_x3mm"} <= set(saved[0])
+    assert [r["peer"] for r in saved] == ["", "", "flce_rl", "flce_loss"]
+
+
+def test_check_rejects_a_wrong_entropy_off_row(monkeypatch):
+    monkeypatch.setattr(bench_rl, "liger_sm90_fn", lambda *a, **k: _fake_sm90(*a, **k, temp_factor=1.05))
+    with pytest.raises(AssertionError, match="liger_sm90_noent differs"):
+        bench_rl.main(["--cpu-smoke", "--data", "random", "--impls", "liger_sm90_noent"])
+
+
+def test_sm90_target_check_switch(monkeypatch):
+    """The liger_sm90 rows turn Liger's host-syncing target check off around the call only (--liger-target-check:
+    left as it is)."""
+    seen = []
+    with bench_rl._env(bench_rl.SM90_CHECK_ENV, "0"):
+        seen.append(os.environ.get(bench_rl.SM90_CHECK_ENV))
+    monkeypatch.setenv(bench_rl.SM90_CHECK_ENV, "1")
+    with bench_rl._env(bench_rl.SM90_CHECK_ENV, None):
+        seen.append(os.environ.get(bench_rl.SM90_CHECK_ENV))
+    with bench_rl._env(bench_rl.SM90_CHECK_ENV, "0"):
+        seen.append(os.environ.get(bench_rl.SM90_CHECK_ENV))
+    assert seen == ["0", "1", "0"] and os.environ[bench_rl.SM90_CHECK_ENV] == "1"
+    a = bench_rl.parse_args(["--cpu-smoke"])
+    assert a.steady_calls == 2 and not a.liger_target_check
+    assert bench_rl.parse_args(["--device", "cpu"]).steady_calls == 4
+    import torch
+
+    fn, why = bench_rl.liger_sm90_fn(torch.device("cpu"), 2, torch.bfloat16, True)
+    assert fn is None and why == "a single-GPU kernel (TP=1 only)"
+    fn, why = bench_rl.liger_sm90_fn(torch.device("cpu"), 1, torch.bfloat16, False)
+    assert fn is None and "sm_90" in why

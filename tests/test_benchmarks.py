@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -589,7 +590,7 @@ def test_ab_flce_main_writes_loss_and_forward_csvs(monkeypatch, tmp_path, capsys
 DEVICE_STEPS = """none tests rl tprl dtensor ab fwdab shardab tpab tune tunestore tunecls tunepers storeab chunksweep gradab
 gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32
 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1
-quack2 benchquack""".split()
+quack2 benchquack cutedsl benchcute rlcute hostcost""".split()
 
 
 def test_device_sh_lists_every_step_with_what_it_measures(tmp_path):
@@ -819,3 +820,130 @@ def test_bench_rounds_compare_flce_with_peers_not_its_own_variants(monkeypatch, 
     out = capsys.readouterr().out
     assert "closest exact-or-default peer A: flce ahead by +3.0% (rounds +3.0..+3.0%); B +5.0% (+5.0..+5.0%)" in out
     assert rows[1]["vs_flce"] == pytest.approx(1.0 / 1.04)  # the variant's row still has its ratio
+
+
+# ---- issue 53: the two timing modes, the CuTe DSL rows, the host-cost probe ----
+
+def test_timers_single_from_idle_and_steady_back_to_back():
+    """``common.Timers`` on the CPU: ``single`` runs its warm-up, then per sample the sleep (``idle_ms``) OUTSIDE the
+    timed call and one call; ``steady`` one untimed call then K calls per sample, timed together, per call."""
+    calls = []
+
+    def fn():
+        calls.append(time.perf_counter())
+        time.sleep(0.004)
+
+    tm = common.Timers(3, steady_calls=4, idle_ms=60, device="cpu", warmup=2)
+    ms = tm.single(fn)
+    assert len(calls) == 2 + 3 and 3.5 <= ms < 40, ms  # the 60 ms idle sleeps are not in the figure
+    assert all(b - a >= 0.06 for a, b in zip(calls[2:], calls[3:]))  # each timed call came after its idle sleep
+    calls.clear()
+    st = tm.steady(fn)
+    assert len(calls) == 2 + 3 * (1 + 4) and 3.5 <= st < 40, st  # max(3, reps // 2) samples of 1 + K calls
+    assert math.isnan(tm.peak(fn))
+    before = []
+    tm = common.Timers(2, steady_calls=1, idle_ms=0, device="cpu", before=lambda: before.append(1), warmup=0)
+    tm.single(lambda: None)
+    tm.steady(lambda: None)
+    assert len(before) == 2 + 3
+    cols = common.mode_cols(6.0, 4.8, 4.0, 4.0 * 1.2)
+    assert cols == pytest.approx(dict(single_ms=6.0, steady_ms=4.8, host_ms=1.2, single_x3mm=1.5, steady_x3mm=1.0,
+                                      host_adj_ms=1.2 - (4.0 - 4.8)))
+
+
+def test_bench_timing_args_and_cute_constraints(capsys):
+    bench = pytest.importorskip("bench")
+    a = bench.parse_args([])
+    assert a.steady_calls == common.STEADY_CALLS == 4 and a.idle_ms == common.IDLE_MS
+    a = bench.parse_args(["--steady-calls", "8", "--idle-ms", "0"])
+    assert (a.steady_calls, a.idle_ms) == (8, 0.0)
+    for bad in (["--steady-calls", "0"], ["--idle-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    bf16 = torch.bfloat16
+    why = bench.cute_skip(torch.empty(100, 8, dtype=torch.float32), torch.empty(1000, 8, dtype=torch.float32))
+    assert all(s in why for s in ("bf16 only", "N=100 is not a multiple of 128", "V=1000 is not a multiple of 256",
+                                  "CUDA"))
+    assert bench.cute_skip(torch.empty(256, 8, dtype=bf16), torch.empty(512, 8, dtype=bf16)) == "needs a CUDA device (sm_90)"
+    assert "V=128256" not in bench.cute_skip(torch.empty(1024, 8, dtype=bf16), torch.empty(128256, 8, dtype=bf16))  # llama3
+    for v in (151936, 262208):  # qwen3, gemma: not multiples of 256
+        assert f"V={v} is not a multiple of 256" in bench.cute_skip(torch.empty(8192, 8, dtype=bf16), torch.empty(v, 8, dtype=bf16))
+    got = bench.liger_cute_impls()  # no CuTe DSL (nor Liger) here: nothing, and the reason printed
+    if not got:
+        assert "liger_cute unavailable" in capsys.readouterr().out
+    else:
+        assert hasattr(got["liger_cute"], "skip")
+
+
+def test_bench_case_rows_carry_both_timing_modes(tmp_path, monkeypatch, capsys):
+    """bench.run_case on the CPU: the ``matmul`` and ``3mm`` rows, then each impl that can run in both timing modes
+    (single, steady, host = single - steady, each against the 3mm row of the same mode), an impl whose ``skip``
+    names a reason is left out with that line; the CSV carries the mode columns and the table prints them."""
+    bench = pytest.importorskip("bench")
+    from flce_dist import _timing
+
+    def ce(x, w, t):
+        return torch.nn.functional.cross_entropy((x @ w.T).float(), t)
+
+    def never(x, w, t):
+        raise AssertionError("a skipped impl ran")
+
+    never.skip = lambda x, w: "not here"
+    x, w, t = bench_data.make_inputs(32, 16, 64, mode="random", dtype=torch.float32)
+    args = bench.parse_args(["--rounds", "0"])
+    tm = common.Timers(2, steady_calls=2, idle_ms=0, device="cpu", warmup=1)
+    rows = bench.run_case("tiny", "random", x, w, t, {"A": ce, "cute": never}, args, tm)
+    assert [r["impl"] for r in rows] == ["matmul", "3mm", "A"]
+    assert "cute            skipped: not here" in capsys.readouterr().out
+    mm3, a = rows[1], rows[2]
+    assert mm3["single_x3mm"] == mm3["steady_x3mm"] == 1.0 and mm3["fwd_bwd_ms"] == mm3["floor3_ms"]
+    assert a["fwd_bwd_ms"] == a["single_ms"] and a["host_ms"] == pytest.approx(a["single_ms"] - a["steady_ms"])
+    assert a["single_x3mm"] == pytest.approx(a["single_ms"] / mm3["single_ms"]) == pytest.approx(a["ratio_fb3"])
+    assert a["steady_x3mm"] == pytest.approx(a["steady_ms"] / mm3["steady_ms"])
+    assert a["steady_calls"] == 2 and a["idle_ms"] == 0 and math.isnan(a["mem_gib"])
+    monkeypatch.setattr(_timing, "RESULTS", tmp_path / "results")
+    common.save(rows, "bench_bf16.csv", args)
+    got = list(csv.DictReader(open(tmp_path / "results" / "bench_bf16.csv")))
+    assert {"single_ms", "steady_ms", "host_ms", "single_x3mm", "steady_x3mm", "floor3_steady_ms", "fwd_bwd_ms",
+            "ratio_fb", "ratio_steady", "mem_gib", "extra_gib"} <= set(got[0])
+    assert [r["impl"] for r in got] == ["matmul", "3mm", "A"]
+    bench.print_table(rows)
+    head = capsys.readouterr().out.splitlines()[0].split()
+    assert head[3:9] == ["single", "ms", "x3dist", "steady", "x3dist", "host"] and "peak" in head
+
+
+def test_host_cost_probe_smoke(tmp_path, capsys):
+    """benchmarks/probes/host_cost.py --smoke (CPU reference mode, seconds): the trace lists each phase's Helion
+    launches and small ops in order, the per-N rows carry both modes and the launch count, the CSVs go to --out
+    only, and the phase hooks are removed afterwards."""
+    host_cost = pytest.importorskip("host_cost")
+    from flce_dist import autograd, core
+    from flce_dist.kernels import launch
+
+    real = launch._launch, core._Guard.__dict__["combine"], autograd.FLCEFunction.__dict__["backward"]
+    rows = host_cost.main(["--smoke", "--out", str(tmp_path)])
+    assert (launch._launch, core._Guard.__dict__["combine"], autograd.FLCEFunction.__dict__["backward"]) == real
+    assert [r["N"] for r in rows] == [64, 128]
+    for r in rows:
+        assert r["helion_launches"] == 8  # targets, logits, row_prepare, dz_gated, row_scale, token rows, 2 scales
+        assert r["host_ms"] == pytest.approx(r["single_ms"] - r["steady_ms"]) and r["call_host_ms"] > 0
+    out = capsys.readouterr().out
+    assert "=== host_cost summary" in out and "=== trace N=128" in out
+    trace = list(csv.DictReader(open(tmp_path / "host_cost_trace_smoke.csv")))
+    helion = [(r["phase"], r["item"]) for r in trace if r["kind"] == "Helion"]
+    assert helion == [("targets", "[target_rows]"), ("logits pass", "[lse_forward]"), ("row_prepare", "[row_prepare]"),
+                      ("dz_gated", "[dz_gated]"), ("row_scale", "[row_scale]"), ("token rows", "[token_rows]"),
+                      ("backward scale", "[scale]"), ("backward scale", "[scale]")]
+    kinds = {(r["phase"], r["item"]): r["kind"] for r in trace}
+    assert kinds[("api", "_local_scalar_dense")] == "SYNC"  # the CPU-only target range check
+    assert kinds[("fused pass", "mm")] == "cuBLAS" and kinds[("targets", "empty")] == "alloc"
+    phases = {r["phase"] for r in csv.DictReader(open(tmp_path / "host_cost_phases_smoke.csv"))}
+    assert {"api", "autograd apply", "logits pass", "stats combine", "backward scale", "helion launch"} <= phases
+    assert not (BENCH / "results" / "host_cost_smoke.csv").exists()
+    aten = torch.ops.aten
+    assert [host_cost.op_kind(f) for f in (aten.mm.default, aten.empty.memory_format, aten.view.default,
+                                           aten._local_scalar_dense.default, aten.add.Tensor)] == \
+        ["cuBLAS", "alloc", "view", "SYNC", "kernel"]
+    assert [host_cost.kernel_class(k) for k in ("_helion_lse_forward_partials", "nvjet_tst_128x256", "Memset (Device)",
+                                                "void at::native::vectorized_elementwise_kernel")] == \
+        ["Helion", "cuBLAS", "memset/memcpy", "torch"]

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import resolve_call, resolve_shard
-from .distributed import groups as _groups
 from .distributed.dtensor import is_dtensor, unwrap
 from .options import FLCEParams, LossOptions
 from .settings import Settings, current
@@ -31,7 +30,7 @@ NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "vo
 # eager calls' once-per-layout shard check with a group (a collective and a host sync; a traced call
 # runs it at trace time instead, as a graph constant: ``resolve_call``'s assume_constant_result).
 # Eager calls must be shielded: frames that run eagerly under a compiled caller still meet Dynamo's
-# frame hook. torch._disable_dynamo defers ``import torch._dynamo`` (~1 s) from import time to the first call.
+# frame hook. torch._disable_dynamo defers ``import torch._dynamo`` from import time to the first call.
 _resolve = torch._disable_dynamo(resolve_call)
 
 
@@ -135,6 +134,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     temperature: float = 1.0,
     sequence_parallel: bool = False,
+    partial_dx: bool = False,
     strategy: str = "auto",
     deterministic: bool = False,
     grad_filter_eps: float | str | None = None,
@@ -142,6 +142,7 @@ def fused_linear_cross_entropy(
     return_token_accuracy: bool = False,
     return_entropy: bool = False,
     check_finite: bool = False,
+    check_inputs: bool = False,
 ):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
 
@@ -205,8 +206,8 @@ def fused_linear_cross_entropy(
     it runs while tracing.
     """
     options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
-                          strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy, return_entropy,
-                          check_finite)
+                          partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,
+                          return_entropy, check_finite, check_inputs)
     settings = current() if settings is None else settings
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(settings).__name__}")
@@ -226,6 +227,10 @@ def fused_linear_cross_entropy(
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)
                                    or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if options.partial_dx and is_dtensor(hidden):
+        raise ValueError("partial_dx=True needs a plain-tensor hidden: a DTensor hidden's gradient is placed like "
+                         "hidden (Replicate: the summed dX on every rank), so a per-rank partial has no placement "
+                         "there; partial_dx is also refused with sequence_parallel=True")
     dt = None  # DTensor inputs: run on the local tensors (distributed/dtensor.py)
     if any(is_dtensor(t_) for t_ in (hidden, weight, bias, target)):
         dt = unwrap(hidden, weight, target, bias, group, vocab_start, options.sequence_parallel, options.ignore_index)
@@ -234,11 +239,21 @@ def fused_linear_cross_entropy(
         if vocab_size is not None and vocab_size != dt.vocab_size:
             raise ValueError(f"vocab_size={vocab_size} but the DTensor weight has {dt.vocab_size} rows")
         vocab_size = dt.vocab_size
+    elif group is not None and vocab_size is None and vocab_start is None:
+        raise ValueError("group= with plain tensors needs the layout stated: pass vocab_size= (the global vocabulary "
+                         "size; each rank's weight holds its rows, in rank order, e.g. weight[start:end] with "
+                         "(start, end) = flce_dist.vocab_shard(vocab_size, rank, world_size)) and/or vocab_start= "
+                         "(the global id of weight[0]). A DTensor weight states it itself")
     _check_shapes(hidden, weight, target, bias)
 
     h = hidden.shape[-1]
     x = hidden.reshape(-1, h)
-    needs_grad = torch.is_grad_enabled() and any(t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
+    # which gradients the call forms: a frozen lm_head (LoRA / PEFT) skips dW, a hidden without a
+    # gradient dX and its all-reduce; the compiled op is told too (it cannot see requires_grad)
+    grad_on = torch.is_grad_enabled()
+    need_dx = grad_on and hidden.requires_grad
+    need_dw = grad_on and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    needs_grad = need_dx or need_dw
     compiling = torch.compiler.is_compiling()
     if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
         raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
@@ -247,17 +262,17 @@ def fused_linear_cross_entropy(
     if meta and group is not None:
         raise ValueError("meta tensors (shapes only) work without a group: a group's shard check is a collective")
     if group is None:  # no collective: stays inside a compiled graph
-        (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
-                                                       vocab_size=vocab_size), "", 1
+        (start, vocab, stale), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
+                                                              vocab_size=vocab_size), "", 1
     else:  # the call's fields, compared across ranks once per layout (distributed/shard.py)
-        fields = (h, str(hidden.dtype), bias is not None, needs_grad, num_items_in_batch is not None,
+        fields = (h, str(hidden.dtype), bias is not None, need_dx, need_dw, num_items_in_batch is not None,
                   options.signature(), settings.astuple())
         if compiling:  # traced: run once at trace time, its result a graph constant (assume_constant_result)
-            start, vocab, group_name, tp = resolve_call(group.group_name, weight, vocab_start, hidden.device, -1,
-                                                        fields, vocab_size)
+            start, vocab, group_name, tp, stale = resolve_call(group.group_name, weight, vocab_start, hidden.device,
+                                                               -1, fields, vocab_size)
         else:
-            start, vocab, group_name, tp = _resolve(group, weight, vocab_start, hidden.device, x.shape[0], fields,
-                                                    vocab_size)
+            start, vocab, group_name, tp, stale = _resolve(group, weight, vocab_start, hidden.device, x.shape[0],
+                                                           fields, vocab_size)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
         bad = (t != options.ignore_index) & ((t < 0) | (t >= vocab))
@@ -274,14 +289,13 @@ def fused_linear_cross_entropy(
         if (compiling or meta) and not options.sequence_parallel and dt is None:
             # under torch.compile: the custom op (compile_op.py), one graph, no break
             loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(),
-                                                    num_items, FLCEParams.encode(start, vocab, options, settings),
-                                                    needs_grad, group_name)
+                                                    num_items,
+                                                    FLCEParams.encode(start, vocab, options, settings, stale),
+                                                    need_dx, need_dw, group_name)
         else:
-            params = FLCEParams(start, vocab, options, settings)
+            params = FLCEParams(start, vocab, options, settings, stale)
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
                                              params, group)
-    if not compiling:  # after the first call's import of torch._dynamo: undo its pin of the default group
-        _groups.unpin_default_group()
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):
@@ -309,7 +323,7 @@ _LOGPROB_REFUSED = ("reduction", "label_smoothing", "z_loss", "return_lse", "ret
 
 
 def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                         temperature: float = 1.0, **kwargs):
+                         temperature: float = 1.0, partial_dx: bool = False, **kwargs):
     """Per-token log-probabilities of ``target`` and entropies of the policy, both differentiable:
     the RL / post-training head (PPO, GRPO: ``logp`` in the ratio, ``entropy`` as a bonus).
 
@@ -328,9 +342,13 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     sequence parallelism) whatever mix of the two outputs the objective uses, e.g.
     ``(adv * logp).sum() + beta * entropy.sum()``.
 
+    ``partial_dx=True`` (with ``group``, plain tensors, not with ``sequence_parallel``): the hidden
+    gradient handed back is this rank's partial ``dz_r @ W_r`` (no dX all-reduce; the caller sums it
+    over the group, as verl's and Megatron's tensor-parallel conventions do).
+
     ``kwargs``: ``bias``, ``group``, ``vocab_start``, ``vocab_size``, ``settings``, ``ignore_index``,
-    ``softcap``, ``sequence_parallel``, ``deterministic``, ``check_finite``; DTensor inputs as in
-    :func:`fused_linear_cross_entropy`. Options that would make ``-loss`` something other than a
+    ``softcap``, ``sequence_parallel``, ``deterministic``, ``grad_filter_eps``, ``check_finite``,
+    ``check_inputs``; DTensor inputs as in :func:`fused_linear_cross_entropy`. Options that would make ``-loss`` something other than a
     log-probability (label smoothing, z-loss, a reduction) are refused.
     """
     refused = sorted(set(kwargs) & set(_LOGPROB_REFUSED))
@@ -341,5 +359,5 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     if softcap is not None and isinstance(temperature, numbers.Real) and temperature > 0:  # else LossOptions says why
         temperature, softcap = sampling_options(1.0, softcap, temperature)
     nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, softcap=softcap,
-                                              reduction="none", return_entropy=True, **kwargs)
+                                              partial_dx=partial_dx, reduction="none", return_entropy=True, **kwargs)
     return -nll, entropy

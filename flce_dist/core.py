@@ -137,16 +137,20 @@ class _Guard:
         self.raise_ok = can_raise(x, p)
         self.group, self.ok = group, None
 
-    def _words(self) -> torch.Tensor | None:
-        if group_size(self.group) == 1:  # a single rank has no peers to agree with: nothing to build
-            return None
+    def words(self) -> torch.Tensor:
+        """This rank's guard words (``guard.call_guard``)."""
         fields = (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
         return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, fields,
                           stale=self.p.stale_layout, count_bad=self.raise_ok, check_inputs=self.p.check_inputs)
 
     def combine(self, local: torch.Tensor) -> torch.Tensor:
-        first = self.ok is None
-        st, guards = combine_stats(local, self.group, self._words() if first else None)
+        # a single rank has no peers to agree with: nothing to build
+        first = self.ok is None and group_size(self.group) > 1
+        st, guards = combine_stats(local, self.group, self.words() if first else None)
+        return self.settle(st, guards)
+
+    def settle(self, st: torch.Tensor, guards: torch.Tensor | None) -> torch.Tensor:
+        """The verdict of the gathered ``guards`` (the first chunk's; None later) applied to ``st``."""
         if guards is not None:
             if self.raise_ok:
                 raise_if_failed(guards)

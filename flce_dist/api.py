@@ -156,17 +156,29 @@ def fused_linear_cross_entropy(
     this rank's equal-sized token slice (rank order); the per-token outputs (``reduction="none"``,
     lse) are for that slice too, and dX is reduce-scattered back.
 
-    ``vocab_size``: the global vocabulary size, checked (once per layout, on every rank) against the
-    rows the shards hold in all; without it V is their sum (a DTensor weight gives its own), a
-    warning says so once, and every new token count costs one more shard check (a host sync):
-    pass it with ``group`` (``distributed/shard.py``).
+    The layout is stated, not guessed: with a plain-tensor ``group`` pass ``vocab_size`` (the global
+    vocabulary size; the shards are then taken in rank order, e.g. ``flce_dist.vocab_shard``'s) and/or
+    ``vocab_start`` (the global id of ``weight[0]``; without ``vocab_size`` V is the shards' sum);
+    neither is a ``ValueError``. A DTensor weight states both itself. The layout is checked once
+    per stated layout on every rank (``distributed/shard.py``), not per token count.
 
     Options (``LossOptions``: defaults, checks, meaning): ``ignore_index``, ``reduction``,
     ``label_smoothing``, ``z_loss``, ``softcap``, ``temperature``, ``sequence_parallel``,
-    ``strategy`` (``"auto"``, ``"fused"``, ``"recompute"``; see ``core.py``), ``deterministic``,
-    ``return_lse``, ``return_token_accuracy``, ``return_entropy``, ``check_finite``. ``settings`` (``Settings``: chunk
-    budget, logits backend, block sizes, config directory) changes how, never what, is computed;
-    None: ``settings.current()``.
+    ``partial_dx``, ``strategy`` (``"auto"``, ``"fused"``, ``"recompute"``; see ``core.py``),
+    ``deterministic``, ``grad_filter_eps``, ``return_lse``, ``return_token_accuracy``,
+    ``return_entropy``, ``check_finite``, ``check_inputs``. ``settings`` (``Settings``: chunk budget,
+    logits backend, block sizes, config directory) changes how, never what, is computed; None:
+    ``settings.current()``.
+
+    ``partial_dx=True``: the hidden gradient handed back is this rank's partial ``dz_r @ W_r``
+    (its sum over the group is dX) and flce_dist runs no dX all-reduce: for a caller that reduces
+    the hidden gradient over the group itself (torchtitan's tp boundary, Megatron / verl). An
+    option like the others, so ``torch.compile`` and the cross-rank checks see it. ``ValueError``
+    with ``sequence_parallel=True`` or a DTensor ``hidden`` (whose gradient is placed like hidden).
+
+    Gradients are formed only for the inputs that need them, eager and compiled: a frozen
+    ``weight`` (and ``bias``) costs no dW buffer or matmul, a ``hidden`` without a gradient no dX
+    matmul and no dX all-reduce.
 
     Returns the loss; with ``return_lse=True`` also the global per-token logsumexp, and with
     ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
@@ -194,16 +206,23 @@ def fused_linear_cross_entropy(
 
     ``check_finite=True`` raises ``FloatingPointError`` when the loss is NaN/inf (a host sync; off by
     default). Without it, NaN/inf in hidden, weight or bias propagate to the loss, never masked.
-    Double backward (``create_graph=True``) raises: the gradients are formed by kernels.
+    ``check_inputs=True`` (debugging, with a group): the per-call cross-rank guard also compares a
+    checksum of hidden and counts targets outside ``[0, V)`` (a few more small kernels per call;
+    docs/guarantees.md). Double backward (``create_graph=True``) raises ``RuntimeError``, eager and
+    compiled: the gradients are formed by kernels.
 
     Collectives per call with a group of P ranks (N tokens, H hidden): forward one all-gather of
     ``[N, 4]`` float32 stats (``[N, 5]`` with the entropy; the fused strategy: one per token chunk,
     same bytes); backward one
-    all-reduce of dX (``N*H``, hidden's dtype); sequence parallel: plus all-gathers of hidden and
-    target and a reduce-scatter of dX instead of the all-reduce. Once per layout (and token count,
-    without ``vocab_size``), one all-gather of the shard sizes, a digest of the shard's rows and the
-    call's signature checks the layout and that every rank makes the same call; under torch.compile
-    it runs while tracing.
+    all-reduce of dX (``N*H``, hidden's dtype; none with ``partial_dx`` or without a hidden
+    gradient); sequence parallel: plus all-gathers of hidden and target and a reduce-scatter of dX
+    instead of the all-reduce. Once per stated layout, one all-gather of the shard starts and sizes,
+    the token count and the call's signature checks the layout and that every rank makes the same
+    call (a host sync); under torch.compile it runs while tracing. Every call's first statistics
+    all-gather also carries a 32-byte guard per rank (``distributed/guard.py``; no host sync).
+
+    Memory: no ``[N, V_local]`` logits: one logits chunk (``chunking.py``), ``O(N)`` float32
+    statistics, and the gradients that are formed (dW ``[V_local, H]``, dX ``[N, H]``).
     """
     options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
                           partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,

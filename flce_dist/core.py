@@ -16,10 +16,10 @@ Two strategies share every kernel and collective. Around the logits pass every p
 one launch: the targets' shard-local ids and masks before it (``kernels/targets.py``), the merge of
 its per-tile partials (``kernels/merge.py``), the loss, accuracy and lse rows after the statistics
 all-gather (``kernels/token_loss.py``) and, in the row-scale form, each chunk's scales and target
-entries (``kernels/row_prepare.py``): run 19 measured ~0.3 ms of small torch kernels per forward there.
-On sm_90 the logits passes without a bias (forward-only, logits store, row-scale store) take their
-target logits from their own launch (``kernels/target_dot.py``, the pass's bits; runs 20 and 22)
-instead of a compare per element inside the pass.
+entries (``kernels/row_prepare.py``), instead of chains of small torch kernels (docs/results.md,
+"Per-call small kernels"). On sm_90 the logits passes without a bias (forward-only, logits store,
+row-scale store) take their target logits from their own launch (``kernels/target_dot.py``, the
+pass's bits) instead of a compare per element inside the pass.
 
 * ``recompute`` (any reduction; forward-only / evaluation):
     forward   lse_forward kernel (x @ W.T tile by tile, never stored; or cuBLAS token chunks +
@@ -483,8 +483,8 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
     go = grad_loss.to(acc_dtype(ref.dtype) if ref is not None else torch.float32)
     scaled = [t for t in (dx, dw) if t is not None and t.numel()]
     if scaled and inplace:
-        # (was one torch._foreach_mul_: 0.77 ms at llama3 even when grad_output is 1; a mul_ by a
-        # 0-d CUDA tensor takes torch's broadcasting kernel, 1.5 ms)
+        # one scale_ launch per gradient, not torch._foreach_mul_ or a mul_ by a 0-d CUDA tensor
+        # (both slower, even when grad_output is 1: docs/results.md, "Per-call small kernels")
         for t in scaled:
             K.scale_(t, go, settings)
     elif scaled:

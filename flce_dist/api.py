@@ -367,8 +367,9 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
 
     ``kwargs``: ``bias``, ``group``, ``vocab_start``, ``vocab_size``, ``settings``, ``ignore_index``,
     ``softcap``, ``sequence_parallel``, ``deterministic``, ``grad_filter_eps``, ``check_finite``,
-    ``check_inputs``; DTensor inputs as in :func:`fused_linear_cross_entropy`. Options that would make ``-loss`` something other than a
-    log-probability (label smoothing, z-loss, a reduction) are refused.
+    ``check_inputs``; DTensor inputs as in :func:`fused_linear_cross_entropy`. Options that would
+    make ``-loss`` something other than a log-probability (label smoothing, z-loss, a reduction)
+    are refused.
     """
     refused = sorted(set(kwargs) & set(_LOGPROB_REFUSED))
     if refused:

@@ -89,10 +89,10 @@ def host_us(fn, dev: torch.device, reps: int) -> float:
     return statistics.median(ts)
 
 
-def guard_round(x, tgt, bad, local, p_ranks: int, check_inputs: bool | None):
+def guard_round(x, tgt, bad, local, v: int, p_ranks: int, check_inputs: bool | None):
     """One call's guard work on this rank, as the core runs it (None: the same without a guard)."""
     opts = LossOptions(check_inputs=bool(check_inputs))
-    params = FLCEParams(0, 128256, opts, flce_dist.settings.current())
+    params = FLCEParams(0, v, opts, flce_dist.settings.current())
     g = core._Guard(x, tgt, bad, params, None, local.shape[0], False, (True, True, True))
 
     def run():
@@ -112,11 +112,11 @@ def measure_guard(n: int, h: int, v: int, dtype, dev, p_ranks: int, reps: int) -
     bad = torch.zeros(n, dtype=torch.bool, device=dev)
     rows = min(n, 2048)  # the first chunk's statistics (the fused strategy's chunk rows at llama3)
     local = torch.randn(rows, 4, generator=g).to(dev)
-    base = guard_round(x, tgt, bad, local, p_ranks, None)
+    base = guard_round(x, tgt, bad, local, v, p_ranks, None)
     b_us, b_ops, b_k = host_us(base, dev, reps), ops_per_call(base), kernels_per_call(base, dev)  # warm first
     out = []
     for name, ci in SETTINGS.items():
-        fn = guard_round(x, tgt, bad, local, p_ranks, ci)
+        fn = guard_round(x, tgt, bad, local, v, p_ranks, ci)
         us = host_us(fn, dev, reps)  # warm: the cached device words exist before anything is counted
         k = kernels_per_call(fn, dev)
         out.append(dict(what="guard", setting=name, N=n, P=p_ranks, ops=ops_per_call(fn) - b_ops,
@@ -124,11 +124,12 @@ def measure_guard(n: int, h: int, v: int, dtype, dev, p_ranks: int, reps: int) -
     return out
 
 
-def measure_calls(n: int, h: int, v: int, dtype, dev, group, reps: int) -> list[dict]:
-    g = torch.Generator(device="cpu").manual_seed(1)
-    x = torch.randn(n, h, generator=g).to(dev, dtype).requires_grad_()
-    w = (torch.randn(v, h, generator=g) * h**-0.5).to(dev, dtype).requires_grad_()
-    t = torch.randint(0, v, (n,), generator=g).to(dev)
+def measure_calls(n: int, w: torch.Tensor, group, reps: int) -> list[dict]:
+    v, h = w.shape
+    dev = w.device
+    g = torch.Generator(device=dev).manual_seed(n)
+    x = torch.randn(n, h, generator=g, device=dev).to(w.dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g, device=dev)
     out = []
     for where, grp in (("TP=1", None), ("1-rank group", group)):
         for name, ci in SETTINGS.items():
@@ -180,12 +181,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         dist.init_process_group(backend, init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
     try:
         group = dist.new_group([0], backend=backend)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        w = (torch.randn(v, h, generator=gen, device=dev) * h**-0.5).to(dtype).requires_grad_()
         rows = []
         for n in ns:
             for p_ranks in (int(s) for s in args.ranks.split(",")):
                 rows += measure_guard(n, h, v, dtype, dev, p_ranks, reps)
-            rows += measure_calls(n, h, v, dtype, dev, group, reps)
-            torch.cuda.empty_cache() if dev.type == "cuda" else None
+            rows += measure_calls(n, w, group, reps)
     finally:
         if own:
             dist.destroy_process_group()

@@ -14,7 +14,7 @@ Every row times forward+backward of the RL objective  obj = (adv * logp).sum() +
 with z = x @ W.T, p = softmax(z / T) over the GLOBAL vocab, logp = log p[target], entropy = -(p * log p).sum();
 adv a fixed float32 N(0, 1) per-token advantage, beta = --beta, T = --temperature (a sampling temperature),
 bf16 inputs, target = the data mode's. Rows (``--impls``):
-  flce_rl    flce_dist.logprobs_and_entropy(x, W_r, t, group=TP, temperature=T) -> (logp, entropy), float32, both
+  flce_rl    flce_dist.logprobs_and_entropy(x, W_r, t, group=TP, vocab_size=V, temperature=T) -> (logp, entropy), float32, both
              differentiable.
   flce_rl_filter  flce_rl with grad_filter_eps="auto" (the opt-in gradient filter; bf16: eps 2^-12), the sorted copy
              of W (Settings(filter_order="copy"); the default before run 30).
@@ -124,7 +124,7 @@ class _SumTP(torch.autograd.Function):
         return g, None
 
 
-def torch_rl(x, w, t, temp, group=None, start=0):
+def torch_rl(x, w, t, temp, group=None, start=0, vocab=None):
     """(logp, entropy) float32 from materialised logits; ``group``: Megatron-style over the vocab shards."""
     if group is None:
         z = (x @ w.T).float() / temp
@@ -148,8 +148,8 @@ def flce_rl_fn(filter_order: str | None = None):
     if not hasattr(flce_dist, "logprobs_and_entropy"):
         return None, "flce_dist has no logprobs_and_entropy (issue #16 not in this tree)"
     if filter_order is None:
-        def rl(x, w, t, temp, group, *_):
-            return flce_dist.logprobs_and_entropy(x, w, t, group=group, temperature=temp)
+        def rl(x, w, t, temp, group, start, vocab):
+            return flce_dist.logprobs_and_entropy(x, w, t, group=group, vocab_size=vocab, temperature=temp)
         return rl, "logprobs_and_entropy"
     from flce_dist.settings import Settings
 
@@ -158,9 +158,9 @@ def flce_rl_fn(filter_order: str | None = None):
     except (TypeError, ValueError) as e:  # a tree before run 26
         return None, f"Settings(filter_order={filter_order!r}): {e}"
 
-    def rl_filter(x, w, t, temp, group, *_):
-        return flce_dist.logprobs_and_entropy(x, w, t, group=group, temperature=temp, grad_filter_eps="auto",
-                                              settings=st)
+    def rl_filter(x, w, t, temp, group, start, vocab):
+        return flce_dist.logprobs_and_entropy(x, w, t, group=group, vocab_size=vocab, temperature=temp,
+                                              grad_filter_eps="auto", settings=st)
     return rl_filter, f"grad_filter_eps='auto', filter_order={filter_order}"
 
 
@@ -273,7 +273,7 @@ def check(pairs, xf, wf, t, temp, group, s, e, dev):
         x = xf.to(dt).clone().requires_grad_()
         w = wf[s:e].to(dt).clone().requires_grad_()
         try:
-            lp2, en2 = fn(x, w, t, temp, group, s)
+            lp2, en2 = fn(x, w, t, temp, group, s, wf.shape[0])
             ((c1 * lp2).sum() + (0 if en2 is None else (c2 * en2).sum())).backward()
         except Exception as ex:  # noqa: BLE001
             if name not in LIGER:
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     barrier = (lambda: dist.barrier(group=group)) if group is not None else None
     tm = common.Timers(args.reps, args.steady_calls, args.idle_ms, dev, before=barrier,
                        warmup=3 if dev.type == "cuda" else 1)
-    rl = {}  # name -> fn(x, w, t, temp, group, vocab_start) -> (logp, entropy)
+    rl = {}  # name -> fn(x, w, t, temp, group, vocab_start, vocab_size) -> (logp, entropy)
     notes = {"flce_loss": "anchor: reduction=none, no entropy", "flce_mean": "reduction=mean loss, no entropy"}
     impls = args.impls.split(",")
     tnote = "Megatron fp32 shard logits" if p > 1 else "materialised fp32 logits"
@@ -390,9 +390,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del xf, wf
         adv = torch.randn(args.n, device=dev, generator=torch.Generator(device=dev).manual_seed(1))
         fl = flce_dist.fused_linear_cross_entropy
-        objs = {k: (lambda f: lambda: _rl_obj(*f(x, w, t, temp, group, s), adv, beta))(f) for k, f in rl.items()}
-        objs["flce_loss"] = lambda: (adv * -fl(x, w, t, group=group, reduction="none", temperature=temp)).sum()
-        objs["flce_mean"] = lambda: fl(x, w, t, group=group, temperature=temp)
+        objs = {k: (lambda f: lambda: _rl_obj(*f(x, w, t, temp, group, s, v), adv, beta))(f) for k, f in rl.items()}
+        objs["flce_loss"] = lambda: (adv * -fl(x, w, t, group=group, vocab_size=v, reduction="none",
+                                                temperature=temp)).sum()
+        objs["flce_mean"] = lambda: fl(x, w, t, group=group, vocab_size=v, temperature=temp)
         shape_rows = []
         nan = float("nan")
         xd, wd = x.detach(), w.detach()

@@ -4,7 +4,7 @@
                                                        [--data random,realistic] [--fixture PATH]
 
 Per shape, each rank holds its vocab shard (uneven split allowed) and the same N tokens:
-  flce        flce_dist.fused_linear_cross_entropy(group=TP)
+  flce        flce_dist.fused_linear_cross_entropy(group=TP, vocab_size=V)
   flce_filter the same with grad_filter_eps="auto" (the opt-in gradient filter; trees without it skip the row)
   megatron    Megatron-style: shard logits x @ W_r.T in float32, all-reduce max / sum-exp / target
               logit, softmax-grad backward, dX all-reduced (the same model of work, materialised)
@@ -109,9 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _with_grad_form(form, x, w, t, group):
+def _with_grad_form(form, x, w, t, group, v):
     with flce_dist.settings.override(grad_form=form):
-        return flce_dist.fused_linear_cross_entropy(x, w, t, group=group)
+        return flce_dist.fused_linear_cross_entropy(x, w, t, group=group, vocab_size=v)
 
 
 TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "10"), ("fwd+bwd ms", "fwd_bwd_ms", "10.2f"),
@@ -171,14 +171,15 @@ def main():
                          mm_ms=mm, allreduce_ms=ar, floor3_ms=floor3, ratio3=floor / floor3, plan_rows=plan,
                          plan_ms=floorp, ratio_plan=floor / floorp, **dcols))
         fns = {
-            "flce": lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group),
+            "flce": lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group, vocab_size=v),
             "megatron": lambda: _MegatronVocabParallelCE.apply(_CopyToTP.apply(x, group) @ w.T, t, s, group).mean(),
             "liger_vp": lambda: lg((_CopyToTP.apply(x, group) @ w.T)[:, None, :], t[:, None], tp_group=group).mean(),
         }
         if "grad_form" in inspect.signature(flce_dist.settings.override).parameters:  # the chunk_grad_ form (before rowscale.py)
-            fns["flce_chunkgrad"] = lambda: _with_grad_form("chunk_grad", x, w, t, group)
+            fns["flce_chunkgrad"] = lambda: _with_grad_form("chunk_grad", x, w, t, group, v)
         if "grad_filter_eps" in inspect.signature(flce_dist.fused_linear_cross_entropy).parameters:
-            fns["flce_filter"] = lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group, grad_filter_eps="auto")
+            fns["flce_filter"] = lambda: flce_dist.fused_linear_cross_entropy(x, w, t, group=group, vocab_size=v,
+                                                                              grad_filter_eps="auto")
         if "deepspeed" in impls:
             fns["deepspeed"] = lambda: vocab_parallel_linear_cross_entropy(x, w, t, tp_group=group, vocab_start_index=s,
                                                                            vocab_end_index=e)

@@ -2,6 +2,7 @@
 
 Importing the package changes nothing in the process: Helion is imported at the first kernel
 launch, and CPU machines call :func:`setup_reference_mode` (Helion's reference mode) explicitly.
+No loss call changes torch's objects either (``distributed/groups.py``).
 """
 
 from .api import fused_linear_cross_entropy, logprobs_and_entropy

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import resolve_call, resolve_shard
-from .distributed import groups as _groups
 from .distributed.dtensor import is_dtensor, unwrap
 from .options import FLCEParams, LossOptions
 from .settings import Settings, current
@@ -31,7 +30,7 @@ NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "vo
 # eager calls' once-per-layout shard check with a group (a collective and a host sync; a traced call
 # runs it at trace time instead, as a graph constant: ``resolve_call``'s assume_constant_result).
 # Eager calls must be shielded: frames that run eagerly under a compiled caller still meet Dynamo's
-# frame hook. torch._disable_dynamo defers ``import torch._dynamo`` (~1 s) from import time to the first call.
+# frame hook. torch._disable_dynamo defers ``import torch._dynamo`` from import time to the first call.
 _resolve = torch._disable_dynamo(resolve_call)
 
 
@@ -135,6 +134,7 @@ def fused_linear_cross_entropy(
     softcap: float | None = None,
     temperature: float = 1.0,
     sequence_parallel: bool = False,
+    partial_dx: bool = False,
     strategy: str = "auto",
     deterministic: bool = False,
     grad_filter_eps: float | str | None = None,
@@ -142,6 +142,7 @@ def fused_linear_cross_entropy(
     return_token_accuracy: bool = False,
     return_entropy: bool = False,
     check_finite: bool = False,
+    check_inputs: bool = False,
 ):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
 
@@ -155,19 +156,31 @@ def fused_linear_cross_entropy(
     this rank's equal-sized token slice (rank order); the per-token outputs (``reduction="none"``,
     lse) are for that slice too, and dX is reduce-scattered back.
 
-    ``vocab_size``: the global vocabulary size, checked (once per layout, on every rank) against the
-    rows the shards hold in all; without it V is their sum (a DTensor weight gives its own), a
-    warning says so once, and every new token count costs one more shard check (a host sync):
-    pass it with ``group`` (``distributed/shard.py``).
+    The layout is stated, not guessed: with a plain-tensor ``group`` pass ``vocab_size`` (the global
+    vocabulary size; the shards are then taken in rank order, e.g. ``flce_dist.vocab_shard``'s) and/or
+    ``vocab_start`` (the global id of ``weight[0]``; without ``vocab_size`` V is the shards' sum);
+    neither is a ``ValueError``. A DTensor weight states both itself. The layout is checked once
+    per stated layout on every rank (``distributed/shard.py``), not per token count.
 
     Options (``LossOptions``: defaults, checks, meaning): ``ignore_index``, ``reduction``,
     ``label_smoothing``, ``z_loss``, ``softcap``, ``temperature``, ``sequence_parallel``,
-    ``strategy`` (``"auto"``, ``"fused"``, ``"recompute"``; see ``core.py``), ``deterministic``,
-    ``return_lse``, ``return_token_accuracy``, ``return_entropy``, ``check_finite``. ``settings`` (``Settings``: chunk
-    budget, logits backend, block sizes, config directory) changes how, never what, is computed;
-    None: ``settings.current()``. Every output is of the transformed logits ``y = softcap(z) /
+    ``partial_dx``, ``strategy`` (``"auto"``, ``"fused"``, ``"recompute"``; see ``core.py``),
+    ``deterministic``, ``grad_filter_eps``, ``return_lse``, ``return_token_accuracy``,
+    ``return_entropy``, ``check_finite``, ``check_inputs``. ``settings`` (``Settings``: chunk budget,
+    logits backend, block sizes, config directory) changes how, never what, is computed; None:
+    ``settings.current()``. Every output is of the transformed logits ``y = softcap(z) /
     temperature`` (``z = hidden @ weight.T (+ bias)``, ``softcap(z) = c * tanh(z / c)``): the model's
     final logits divided by the temperature, as a sampler does (and :func:`logprobs_and_entropy`).
+
+    ``partial_dx=True``: the hidden gradient handed back is this rank's partial ``dz_r @ W_r``
+    (its sum over the group is dX) and flce_dist runs no dX all-reduce: for a caller that reduces
+    the hidden gradient over the group itself (torchtitan's tp boundary, Megatron / verl). An
+    option like the others, so ``torch.compile`` and the cross-rank checks see it. ``ValueError``
+    with ``sequence_parallel=True`` or a DTensor ``hidden`` (whose gradient is placed like hidden).
+
+    Gradients are formed only for the inputs that need them, eager and compiled: a frozen
+    ``weight`` (and ``bias``) costs no dW buffer or matmul, a ``hidden`` without a gradient no dX
+    matmul and no dX all-reduce.
 
     Returns the loss; with ``return_lse=True`` also the global per-token logsumexp, and with
     ``return_token_accuracy=True`` also a per-token bool ``target == argmax`` (argmax over all
@@ -195,20 +208,27 @@ def fused_linear_cross_entropy(
 
     ``check_finite=True`` raises ``FloatingPointError`` when the loss is NaN/inf (a host sync; off by
     default). Without it, NaN/inf in hidden, weight or bias propagate to the loss, never masked.
-    Double backward (``create_graph=True``) raises: the gradients are formed by kernels.
+    ``check_inputs=True`` (debugging, with a group): the per-call cross-rank guard also compares a
+    checksum of hidden and counts targets outside ``[0, V)`` (a few more small kernels per call;
+    docs/guarantees.md). Double backward (``create_graph=True``) raises ``RuntimeError``, eager and
+    compiled: the gradients are formed by kernels.
 
     Collectives per call with a group of P ranks (N tokens, H hidden): forward one all-gather of
     ``[N, 4]`` float32 stats (``[N, 5]`` with the entropy; the fused strategy: one per token chunk,
     same bytes); backward one
-    all-reduce of dX (``N*H``, hidden's dtype); sequence parallel: plus all-gathers of hidden and
-    target and a reduce-scatter of dX instead of the all-reduce. Once per layout (and token count,
-    without ``vocab_size``), one all-gather of the shard sizes, a digest of the shard's rows and the
-    call's signature checks the layout and that every rank makes the same call; under torch.compile
-    it runs while tracing.
+    all-reduce of dX (``N*H``, hidden's dtype; none with ``partial_dx`` or without a hidden
+    gradient); sequence parallel: plus all-gathers of hidden and target and a reduce-scatter of dX
+    instead of the all-reduce. Once per stated layout, one all-gather of the shard starts and sizes,
+    the token count and the call's signature checks the layout and that every rank makes the same
+    call (a host sync); under torch.compile it runs while tracing. Every call's first statistics
+    all-gather also carries a 32-byte guard per rank (``distributed/guard.py``; no host sync).
+
+    Memory: no ``[N, V_local]`` logits: one logits chunk (``chunking.py``), ``O(N)`` float32
+    statistics, and the gradients that are formed (dW ``[V_local, H]``, dX ``[N, H]``).
     """
     options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
-                          strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy, return_entropy,
-                          check_finite)
+                          partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,
+                          return_entropy, check_finite, check_inputs)
     settings = current() if settings is None else settings
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(settings).__name__}")
@@ -228,6 +248,10 @@ def fused_linear_cross_entropy(
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)
                                    or vocab_size < 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+    if options.partial_dx and is_dtensor(hidden):
+        raise ValueError("partial_dx=True needs a plain-tensor hidden: a DTensor hidden's gradient is placed like "
+                         "hidden (Replicate: the summed dX on every rank), so a per-rank partial has no placement "
+                         "there; partial_dx is also refused with sequence_parallel=True")
     dt = None  # DTensor inputs: run on the local tensors (distributed/dtensor.py)
     if any(is_dtensor(t_) for t_ in (hidden, weight, bias, target)):
         dt = unwrap(hidden, weight, target, bias, group, vocab_start, options.sequence_parallel, options.ignore_index)
@@ -236,11 +260,21 @@ def fused_linear_cross_entropy(
         if vocab_size is not None and vocab_size != dt.vocab_size:
             raise ValueError(f"vocab_size={vocab_size} but the DTensor weight has {dt.vocab_size} rows")
         vocab_size = dt.vocab_size
+    elif group is not None and vocab_size is None and vocab_start is None:
+        raise ValueError("group= with plain tensors needs the layout stated: pass vocab_size= (the global vocabulary "
+                         "size; each rank's weight holds its rows, in rank order, e.g. weight[start:end] with "
+                         "(start, end) = flce_dist.vocab_shard(vocab_size, rank, world_size)) and/or vocab_start= "
+                         "(the global id of weight[0]). A DTensor weight states it itself")
     _check_shapes(hidden, weight, target, bias)
 
     h = hidden.shape[-1]
     x = hidden.reshape(-1, h)
-    needs_grad = torch.is_grad_enabled() and any(t_.requires_grad for t_ in (hidden, weight, bias) if t_ is not None)
+    # which gradients the call forms: a frozen lm_head (LoRA / PEFT) skips dW, a hidden without a
+    # gradient dX and its all-reduce; the compiled op is told too (it cannot see requires_grad)
+    grad_on = torch.is_grad_enabled()
+    need_dx = grad_on and hidden.requires_grad
+    need_dw = grad_on and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    needs_grad = need_dx or need_dw
     compiling = torch.compiler.is_compiling()
     if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
         raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
@@ -249,17 +283,17 @@ def fused_linear_cross_entropy(
     if meta and group is not None:
         raise ValueError("meta tensors (shapes only) work without a group: a group's shard check is a collective")
     if group is None:  # no collective: stays inside a compiled graph
-        (start, vocab), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
-                                                       vocab_size=vocab_size), "", 1
+        (start, vocab, stale), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
+                                                              vocab_size=vocab_size), "", 1
     else:  # the call's fields, compared across ranks once per layout (distributed/shard.py)
-        fields = (h, str(hidden.dtype), bias is not None, needs_grad, num_items_in_batch is not None,
+        fields = (h, str(hidden.dtype), bias is not None, need_dx, need_dw, num_items_in_batch is not None,
                   options.signature(), settings.astuple())
         if compiling:  # traced: run once at trace time, its result a graph constant (assume_constant_result)
-            start, vocab, group_name, tp = resolve_call(group.group_name, weight, vocab_start, hidden.device, -1,
-                                                        fields, vocab_size)
+            start, vocab, group_name, tp, stale = resolve_call(group.group_name, weight, vocab_start, hidden.device,
+                                                               -1, fields, vocab_size)
         else:
-            start, vocab, group_name, tp = _resolve(group, weight, vocab_start, hidden.device, x.shape[0], fields,
-                                                    vocab_size)
+            start, vocab, group_name, tp, stale = _resolve(group, weight, vocab_start, hidden.device, x.shape[0],
+                                                           fields, vocab_size)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
         bad = (t != options.ignore_index) & ((t < 0) | (t >= vocab))
@@ -276,14 +310,13 @@ def fused_linear_cross_entropy(
         if (compiling or meta) and not options.sequence_parallel and dt is None:
             # under torch.compile: the custom op (compile_op.py), one graph, no break
             loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(),
-                                                    num_items, FLCEParams.encode(start, vocab, options, settings),
-                                                    needs_grad, group_name)
+                                                    num_items,
+                                                    FLCEParams.encode(start, vocab, options, settings, stale),
+                                                    need_dx, need_dw, group_name)
         else:
-            params = FLCEParams(start, vocab, options, settings)
+            params = FLCEParams(start, vocab, options, settings, stale)
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
                                              params, group)
-    if not compiling:  # after the first call's import of torch._dynamo: undo its pin of the default group
-        _groups.unpin_default_group()
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):
@@ -304,7 +337,7 @@ _LOGPROB_REFUSED = ("reduction", "label_smoothing", "z_loss", "return_lse", "ret
 
 
 def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                         temperature: float = 1.0, **kwargs):
+                         temperature: float = 1.0, partial_dx: bool = False, **kwargs):
     """Per-token log-probabilities of ``target`` and entropies of the policy, both differentiable:
     the RL / post-training head (PPO, GRPO: ``logp`` in the ratio, ``entropy`` as a bonus).
 
@@ -322,15 +355,20 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     sequence parallelism) whatever mix of the two outputs the objective uses, e.g.
     ``(adv * logp).sum() + beta * entropy.sum()``.
 
+    ``partial_dx=True`` (with ``group``, plain tensors, not with ``sequence_parallel``): the hidden
+    gradient handed back is this rank's partial ``dz_r @ W_r`` (no dX all-reduce; the caller sums it
+    over the group, as verl's and Megatron's tensor-parallel conventions do).
+
     ``kwargs``: ``bias``, ``group``, ``vocab_start``, ``vocab_size``, ``settings``, ``ignore_index``,
-    ``softcap``, ``sequence_parallel``, ``deterministic``, ``check_finite``; DTensor inputs as in
-    :func:`fused_linear_cross_entropy`. Options that would make ``-loss`` something other than a
-    log-probability (label smoothing, z-loss, a reduction) are refused.
+    ``softcap``, ``sequence_parallel``, ``deterministic``, ``grad_filter_eps``, ``check_finite``,
+    ``check_inputs``; DTensor inputs as in :func:`fused_linear_cross_entropy`. Options that would
+    make ``-loss`` something other than a log-probability (label smoothing, z-loss, a reduction)
+    are refused.
     """
     refused = sorted(set(kwargs) & set(_LOGPROB_REFUSED))
     if refused:
         raise TypeError(f"logprobs_and_entropy: {refused} cannot be set here (log-probabilities are per token, "
                         "without label smoothing or z-loss); call fused_linear_cross_entropy for the loss")
     nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, reduction="none",
-                                              return_entropy=True, **kwargs)
+                                              partial_dx=partial_dx, return_entropy=True, **kwargs)
     return -nll, entropy

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import torch
 
 from .core import flce_forward, recompute_grads, scale_precomputed
@@ -21,23 +18,13 @@ def refuse_double_backward() -> None:
         raise RuntimeError(DOUBLE_BACKWARD)
 
 
-_PARTIAL_DX: contextvars.ContextVar[bool] = contextvars.ContextVar("flce_dist_partial_dx", default=False)
-
-
-@contextlib.contextmanager
 def partial_dx():
-    """Eager calls with a group, made inside this context, hand back this rank's PARTIAL hidden
-    gradient ``dz_r @ W_r`` (its sum over the group is the true dX) instead of all-reducing it: for a
-    caller whose framework reduces the hidden gradient over the group itself (torchtitan's tp
-    boundary), so that dX is reduced once, not twice. Read when the forward runs (the backward
-    follows the forward's choice); every rank of the group must make the same choice (it is part
-    of the call's guard). Plain (non-DTensor) tensors only, not with ``sequence_parallel``, and not
-    inside a ``torch.compile``'d region (the custom op all-reduces): callers run the call eagerly."""
-    token = _PARTIAL_DX.set(True)
-    try:
-        yield
-    finally:
-        _PARTIAL_DX.reset(token)
+    """Removed: ``with partial_dx():`` was ambient state that a compiled call could not see. Pass
+    ``partial_dx=True`` to :func:`flce_dist.fused_linear_cross_entropy` or
+    :func:`flce_dist.logprobs_and_entropy` instead. Calling this raises ``RuntimeError``."""
+    raise RuntimeError("flce_dist.autograd.partial_dx() was removed: pass partial_dx=True to "
+                       "fused_linear_cross_entropy / logprobs_and_entropy (an explicit option, seen by "
+                       "torch.compile and compared across ranks)")
 
 
 class FLCEFunction(torch.autograd.Function):
@@ -60,9 +47,8 @@ class FLCEFunction(torch.autograd.Function):
         # only the gradients some input needs: a frozen lm_head (LoRA / PEFT) skips the dW matmul
         # and buffer, a hidden without a gradient the dX matmul and its all-reduce
         ctx.need_dx, ctx.need_dw = bool(need[0]), bool(need[1] or need[2])
-        ctx.reduce_dx = not _PARTIAL_DX.get()  # partial_dx(): this rank's dz_r @ W_r, reduced by the caller
         loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all) = flce_forward(
-            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw, ctx.reduce_dx)
+            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw)
         if needs_grad:
             # inputs cost nothing to keep (x is this rank's hidden, also under sequence parallelism);
             # they let a second backward (retain_graph, gradcheck) of the fused strategy recompute,
@@ -93,6 +79,6 @@ class FLCEFunction(torch.autograd.Function):
                                            db if need[2] else None, grad_loss, ctx.w_dtype, settings=ctx.p.settings)
             return dx, dw, db, None, None, None, None
         dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent,
-                                     ctx.need_dx, ctx.need_dw, ctx.reduce_dx)
+                                     ctx.need_dx, ctx.need_dw)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
                 None, None, None, None)

@@ -5,13 +5,17 @@ parallelism without sequence parallelism (with a group, the once-per-layout shar
 its collective and host sync happen at trace time and its result is a constant of the graph;
 ``tests/test_layout_check.py`` counts the graph breaks at 2 gloo ranks).
 
-    flce_dist::fused_lce(hidden, weight, bias?, target, num_items?, params, needs_grad, group_name)
+    flce_dist::fused_lce(hidden, weight, bias?, target, num_items?, params, need_dx, need_dw, group_name)
         -> (loss, lse, correct, entropy, dX, dW, db)
     flce_dist::fused_lce_backward(hidden, weight, bias?, target, num_items?, lse, entropy, grad_loss,
-                                  grad_entropy?, params, group_name) -> (dX, dW, db)
+                                  grad_entropy?, params, need_dx, need_dw, group_name) -> (dX, dW, db)
 
-``params`` is ``FLCEParams.encode()``: the options, the vocabulary slice and the settings travel as
-one string (custom ops take no objects), so no option is ever passed or sliced by position. The first
+``params`` is ``FLCEParams.encode()``: the options (``partial_dx`` among them), the vocabulary slice
+and the settings travel as one string (custom ops take no objects), so no option is ever passed or
+sliced by position, and TorchDynamo guards on it like any constant. ``need_dx`` / ``need_dw``: which
+gradients the call forms, from ``requires_grad`` at the call (a frozen lm_head: no dW buffer or
+matmul; a hidden without a gradient: no dX matmul and no dX all-reduce), as the eager Function
+reads them from ``ctx.needs_input_grad``; a gradient not formed comes back as None. The first
 op runs ``core.flce_forward``: with the fused strategy it also returns the unscaled gradients
 (``[0]``-sized tensors otherwise; ``entropy`` is ``[0]``-sized without ``return_entropy``), which its
 autograd formula scales by grad_output (out of place: a
@@ -29,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .autograd import refuse_double_backward
 from .core import flce_forward, local_targets, recompute_grads, scale_precomputed, uses_fused
 from .formulas import acc_dtype
 from .options import FLCEParams
@@ -46,11 +51,11 @@ def _group(name: str) -> Optional[dist.ProcessGroup]:
 
 @torch.library.custom_op("flce_dist::fused_lce", mutates_args=())
 def fused_lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, num_items: Optional[Tensor],
-              params: str, needs_grad: bool, group_name: str
+              params: str, need_dx: bool, need_dw: bool, group_name: str
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
     loss, lse, correct, ent, pre, _ = flce_forward(hidden, weight, bias, target, num_items, p, _group(group_name),
-                                                   needs_grad)
+                                                   need_dx or need_dw, need_dx, need_dw)
     dx, dw, db = pre if pre is not None else (None, None, None)
     sd = acc_dtype(hidden.dtype)
     # outputs may not alias each other: a fresh empty tensor for each absent one
@@ -60,7 +65,7 @@ def fused_lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
 
 
 @fused_lce.register_fake
-def _(hidden, weight, bias, target, num_items, params, needs_grad, group_name):
+def _(hidden, weight, bias, target, num_items, params, need_dx, need_dw, group_name):
     p = FLCEParams.decode(params)
     n = hidden.shape[0]
     sd = acc_dtype(hidden.dtype)
@@ -68,47 +73,57 @@ def _(hidden, weight, bias, target, num_items, params, needs_grad, group_name):
     lse = hidden.new_empty((n,), dtype=sd)
     correct = hidden.new_empty((n,), dtype=torch.bool)
     ent = hidden.new_empty((n if p.return_entropy else 0,), dtype=sd)
-    if uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy):
-        db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=sd)
-        return loss, lse, correct, ent, torch.empty_like(hidden), torch.empty_like(weight), db
+    if uses_fused(need_dx or need_dw, p.reduction, p.strategy, p.return_entropy):
+        db = hidden.new_empty((weight.shape[0] if bias is not None and need_dw else 0,), dtype=sd)
+        return (loss, lse, correct, ent, torch.empty_like(hidden) if need_dx else hidden.new_empty(0),
+                torch.empty_like(weight) if need_dw else weight.new_empty(0), db)
     return loss, lse, correct, ent, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0, dtype=sd)
 
 
 @torch.library.custom_op("flce_dist::fused_lce_backward", mutates_args=())
 def fused_lce_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                        num_items: Optional[Tensor], lse: Tensor, ent: Tensor, grad_loss: Tensor,
-                       grad_ent: Optional[Tensor], params: str, group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+                       grad_ent: Optional[Tensor], params: str, need_dx: bool, need_dw: bool,
+                       group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
     tl = local_targets(target, p, weight.shape[0])
     dx, dw, db = recompute_grads(hidden, weight, bias, tl, lse, target != p.ignore_index, num_items, grad_loss, p,
-                                 _group(group_name), ent, grad_ent)
-    return dx, dw, weight.new_empty(0) if db is None else db
+                                 _group(group_name), ent, grad_ent, need_dx, need_dw)
+    # outputs may not alias each other: a fresh empty tensor for each gradient not formed
+    return (hidden.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw,
+            weight.new_empty(0) if db is None else db)
 
 
 @fused_lce_backward.register_fake
-def _(hidden, weight, bias, target, num_items, lse, ent, grad_loss, grad_ent, params, group_name):
-    db = weight.new_empty((weight.shape[0],)) if bias is not None else weight.new_empty(0)
-    return torch.empty_like(hidden), torch.empty_like(weight), db
+def _(hidden, weight, bias, target, num_items, lse, ent, grad_loss, grad_ent, params, need_dx, need_dw, group_name):
+    db = weight.new_empty((weight.shape[0],)) if bias is not None and need_dw else weight.new_empty(0)
+    return (torch.empty_like(hidden) if need_dx else hidden.new_empty(0),
+            torch.empty_like(weight) if need_dw else weight.new_empty(0), db)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, num_items, params, needs_grad, group_name = inputs
+    hidden, weight, bias, target, num_items, params, need_dx, need_dw, group_name = inputs
     p = FLCEParams.decode(params)
     _, lse, _, ent, dx, dw, db = output
     ctx.params, ctx.group_name = params, group_name
-    ctx.fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
+    ctx.need_dx, ctx.need_dw = need_dx, need_dw
+    ctx.fused = uses_fused(need_dx or need_dw, p.reduction, p.strategy, p.return_entropy)
     ctx.entropy = p.return_entropy
     ctx.loss_shape, ctx.loss_device = output[0].shape, output[0].device
     ctx.has_bias = bias is not None
     ctx.w_dtype = weight.dtype
     ctx.mark_non_differentiable(lse, output[2])
     if ctx.fused:
-        ctx.save_for_backward(dx, dw, db if bias is not None else None)
+        ctx.save_for_backward(dx if need_dx else None, dw if need_dw else None,
+                              db if bias is not None and need_dw else None)
     else:
         ctx.save_for_backward(hidden, weight, bias, target, num_items, lse, ent)
 
 
 def _backward(ctx, grad_loss, _grad_lse, _grad_correct, grad_ent, *_):
+    # a backward with create_graph=True (double backward) runs this with grad mode on: refuse it, as
+    # the eager Function does, instead of returning gradients that carry no graph
+    refuse_double_backward()
     if grad_loss is None:  # only the entropy is used
         grad_loss = torch.zeros(ctx.loss_shape, device=ctx.loss_device)
     if ctx.fused:
@@ -117,8 +132,10 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_correct, grad_ent, *_):
     else:
         hidden, weight, bias, target, num_items, lse, ent = ctx.saved_tensors
         dx, dw, db = fused_lce_backward(hidden, weight, bias, target, num_items, lse, ent, grad_loss,
-                                        grad_ent if ctx.entropy else None, ctx.params, ctx.group_name)
-    return dx, dw, db if ctx.has_bias else None, None, None, None, None, None
+                                        grad_ent if ctx.entropy else None, ctx.params, ctx.need_dx, ctx.need_dw,
+                                        ctx.group_name)
+    return (dx if ctx.need_dx else None, dw if ctx.need_dw else None, db if ctx.has_bias and ctx.need_dw else None,
+            None, None, None, None, None, None)
 
 
 torch.library.register_autograd("flce_dist::fused_lce", _backward, setup_context=_setup_context)

@@ -16,10 +16,10 @@ Two strategies share every kernel and collective. Around the logits pass every p
 one launch: the targets' shard-local ids and masks before it (``kernels/targets.py``), the merge of
 its per-tile partials (``kernels/merge.py``), the loss, accuracy and lse rows after the statistics
 all-gather (``kernels/token_loss.py``) and, in the row-scale form, each chunk's scales and target
-entries (``kernels/row_prepare.py``): run 19 measured ~0.3 ms of small torch kernels per forward there.
-On sm_90 the logits passes without a bias (forward-only, logits store, row-scale store) take their
-target logits from their own launch (``kernels/target_dot.py``, the pass's bits; runs 20 and 22)
-instead of a compare per element inside the pass.
+entries (``kernels/row_prepare.py``), instead of chains of small torch kernels (docs/results.md,
+"Per-call small kernels"). On sm_90 the logits passes without a bias (forward-only, logits store,
+row-scale store) take their target logits from their own launch (``kernels/target_dot.py``, the
+pass's bits) instead of a compare per element inside the pass.
 
 * ``recompute`` (any reduction; forward-only / evaluation):
     forward   lse_forward kernel (x @ W.T tile by tile, never stored; or cuBLAS token chunks +
@@ -126,7 +126,7 @@ class _Guard:
     every chunk's lse NaN (so the loss and all gradients are NaN on every rank) and, where a host sync
     is free (CPU) or already paid (``check_finite``), raises the same ValueError on every rank at that
     first all-gather. Its words are built at that first all-gather, after the first chunk's matmul
-    kernel is enqueued, so their ~10 small launches and the call digest overlap it on the GPU
+    kernel is enqueued, so their few small launches and the call digest overlap it on the GPU
     instead of delaying it. ``bad``: the call's targets outside ``[0, V)`` that are not
     ``ignore_index`` (``kernels/targets.py``; their loss becomes NaN)."""
 
@@ -137,15 +137,20 @@ class _Guard:
         self.raise_ok = can_raise(x, p)
         self.group, self.ok = group, None
 
-    def _words(self) -> torch.Tensor | None:
-        if group_size(self.group) == 1:  # a single rank has no peers to agree with: nothing to build
-            return None
+    def words(self) -> torch.Tensor:
+        """This rank's guard words (``guard.call_guard``)."""
         fields = (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
-        return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, fields)
+        return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, fields,
+                          stale=self.p.stale_layout, count_bad=self.raise_ok, check_inputs=self.p.check_inputs)
 
     def combine(self, local: torch.Tensor) -> torch.Tensor:
-        first = self.ok is None
-        st, guards = combine_stats(local, self.group, self._words() if first else None)
+        # a single rank has no peers to agree with: nothing to build
+        first = self.ok is None and group_size(self.group) > 1
+        st, guards = combine_stats(local, self.group, self.words() if first else None)
+        return self.settle(st, guards)
+
+    def settle(self, st: torch.Tensor, guards: torch.Tensor | None) -> torch.Tensor:
+        """The verdict of the gathered ``guards`` (the first chunk's; None later) applied to ``st``."""
         if guards is not None:
             if self.raise_ok:
                 raise_if_failed(guards)
@@ -218,12 +223,13 @@ def _gathered(order: VocabOrder, w: torch.Tensor, p: FLCEParams, group: dist.Pro
 
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                            g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, rows: int, guard: _Guard,
-                           need_dx: bool = True, need_dw: bool = True, reduce_dx: bool = True):
+                           need_dx: bool = True, need_dw: bool = True):
     """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded). ``need_dx`` False (a
     hidden that needs no gradient): no dX matmul and no dX all-reduce, dX is None; ``need_dw`` False
     (a frozen lm_head: LoRA / PEFT): no dW matmul and no dW buffer, dW and db are None;
-    ``reduce_dx`` False: dX is this rank's partial ``dz_r @ W_r`` (no all-reduce; the caller sums it)."""
+    ``p.partial_dx``: dX is this rank's partial ``dz_r @ W_r`` (no all-reduce; the caller sums it)."""
+    reduce_dx = not p.partial_dx
     n, _ = x.shape
     v = w.shape[0]
     eps = p.options.filter_eps(x.dtype)
@@ -325,12 +331,13 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
 def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                        lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
                        mu: torch.Tensor | None = None, gh: torch.Tensor | None = None,
-                       need_dx: bool = True, need_dw: bool = True, reduce_dx: bool = True):
-    """dX (summed over the group unless sequence-parallel or ``reduce_dx`` is False: then this rank's
+                       need_dx: bool = True, need_dw: bool = True):
+    """dX (summed over the group unless sequence-parallel or ``p.partial_dx``: then this rank's
     partial), dW, db by vocab chunks; with ``mu``,
     ``gh`` [N] the entropy's gradient in the same pass. ``need_dx`` / ``need_dw`` False: that
     gradient is None and its matmuls (and, for dX, the all-reduce and the float32 accumulator) are
     skipped: a frozen lm_head costs 2 matmuls, a hidden without a gradient 3 and no collective."""
+    reduce_dx = not p.partial_dx
     n, _ = x.shape
     v = w.shape[0]
     acc = acc_dtype(x.dtype)
@@ -410,7 +417,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 
 def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                  num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool,
-                 need_dx: bool = True, need_dw: bool = True, reduce_dx: bool = True):
+                 need_dx: bool = True, need_dw: bool = True):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
@@ -419,13 +426,11 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     all rows or None), what the recompute backward needs; under sequence parallelism ``x`` is this
     rank's ``hidden`` (not the gathered ``[P n, H]``): :func:`recompute_grads` gathers it again, as
     Megatron's sequence-parallel linears do. ``need_dx`` / ``need_dw``: which gradients the fused
-    strategy forms (the others are None in ``pre``). ``reduce_dx`` False (``autograd.partial_dx``):
-    dX stays this rank's partial sum ``dz_r @ W_r``, for a caller that reduces it itself (torchtitan
-    all-reduces the hidden gradient at its tp boundary); not with sequence parallelism."""
+    strategy forms (the others are None in ``pre``). ``p.partial_dx`` (the ``partial_dx=True``
+    option): dX stays this rank's partial sum ``dz_r @ W_r``, for a caller that reduces it itself
+    (torchtitan all-reduces the hidden gradient at its tp boundary, verl leaves it to Megatron); not
+    with sequence parallelism (``LossOptions`` refuses the pair)."""
     sp = p.sequence_parallel and group_size(group) > 1
-    if not reduce_dx and p.sequence_parallel:
-        raise ValueError("partial dX (reduce_dx=False) and sequence_parallel=True cannot be combined: the "
-                         "sequence-parallel dX is reduce-scattered to this rank's tokens")
     x = all_gather_rows(hidden, group) if sp else hidden
     tgt = all_gather_rows(target, group) if sp else target
     n_in = hidden.shape[0]
@@ -436,11 +441,10 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None, need_dw) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
-    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, reduce_dx))
+    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw))
     if fused:
         g = row_weights(valid, p, num_items, acc_dtype(x.dtype), denom)
-        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard, need_dx, need_dw,
-                                                   reduce_dx)
+        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard, need_dx, need_dw)
         if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
@@ -479,8 +483,8 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
     go = grad_loss.to(acc_dtype(ref.dtype) if ref is not None else torch.float32)
     scaled = [t for t in (dx, dw) if t is not None and t.numel()]
     if scaled and inplace:
-        # (was one torch._foreach_mul_: 0.77 ms at llama3 even when grad_output is 1; a mul_ by a
-        # 0-d CUDA tensor takes torch's broadcasting kernel, 1.5 ms)
+        # one scale_ launch per gradient, not torch._foreach_mul_ or a mul_ by a 0-d CUDA tensor
+        # (both slower, even when grad_output is 1: docs/results.md, "Per-call small kernels")
         for t in scaled:
             K.scale_(t, go, settings)
     elif scaled:
@@ -492,14 +496,13 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
 def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
                     valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
                     group: dist.ProcessGroup | None, ent: torch.Tensor | None = None,
-                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True,
-                    reduce_dx: bool = True):
+                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True):
     """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype;
     None for a gradient not needed). ``x``: this rank's hidden under sequence parallelism
     (all-gathered here again: one more all-gather, instead of keeping [P n, H] between forward and
     backward). ``ent`` [N] (all rows) and ``grad_ent`` [N_in] (this rank's rows): the entropy and
-    its incoming gradient, when the entropy was returned and used. ``reduce_dx`` False: this
-    rank's partial dX (see :func:`flce_forward`)."""
+    its incoming gradient, when the entropy was returned and used. ``p.partial_dx``: this rank's
+    partial dX (see :func:`flce_forward`)."""
     sp = p.sequence_parallel and group_size(group) > 1
     if sp:
         x = all_gather_rows(x, group)
@@ -516,7 +519,7 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
         gh = all_gather_rows(gh.contiguous(), group) if sp else gh
         gh = torch.where(valid, gh, torch.zeros_like(gh)).contiguous()
         mu = (lse - ent).contiguous()
-    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh, need_dx, need_dw, reduce_dx)
+    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh, need_dx, need_dw)
     if sp and dx is not None:
         dx = reduce_scatter_rows(dx, group, p.deterministic)
     return dx, dw, None if db is None else db.to(w.dtype)

@@ -103,6 +103,9 @@ class LossOptions:
                                 "it, as a sampler does: y = softcap(z) / temperature")
     sequence_parallel: bool = option(False, _bool, "hidden/target are this rank's token slice (all-gathered in, "
                                      "dX reduce-scattered out)", "call")
+    partial_dx: bool = option(False, _bool, "the hidden gradient is this rank's partial dz_r @ W_r (no dX all-reduce; "
+                              "its sum over the group is dX), for a caller that reduces it itself; not with "
+                              "sequence_parallel or a DTensor hidden", "call")
     strategy: str = option("auto", _choice("auto", "fused", "recompute"),
                            "'fused' (gradient formed in the forward), 'recompute', or 'auto'")
     deterministic: bool = option(False, _bool, "bitwise reproducible dX sums across ranks (rank-ordered)")
@@ -117,10 +120,16 @@ class LossOptions:
                                   "softcapped) softmax over the global vocabulary, with its gradient (0 for "
                                   "ignored tokens); needs the recompute strategy's backward", "call")
     check_finite: bool = option(False, _bool, "raise FloatingPointError if the loss is not finite (a host sync)")
+    check_inputs: bool = option(False, _bool, "debugging, with a group: every call also compares a checksum of 16 "
+                                "sampled rows of hidden across the ranks (a few more small kernels per call; "
+                                "docs/guarantees.md)")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
+        if self.partial_dx and self.sequence_parallel:
+            raise ValueError("partial_dx=True cannot be combined with sequence_parallel=True: the sequence-parallel "
+                             "dX is reduce-scattered to this rank's tokens (there is no partial of them to hand back)")
         if self.grad_filter_eps is not None and self.label_smoothing > 0:
             raise ValueError("grad_filter_eps cannot be combined with label_smoothing: the smoothing's uniform "
                              "-eps/V gradient on every logit is below any filter threshold and would be dropped")
@@ -185,12 +194,15 @@ def _keywords(cls: type, kinds: tuple[str, ...]) -> tuple[str, ...]:
 @dataclasses.dataclass(frozen=True)
 class FLCEParams:
     """What the autograd core receives: this rank's vocabulary slice, the options and the settings.
-    Option attributes read through (``p.reduction`` is ``p.options.reduction``)."""
+    Option attributes read through (``p.reduction`` is ``p.options.reduction``). ``stale_layout``:
+    this rank's shard is not the one the once-per-layout check saw for the same stated layout
+    (``distributed/shard.py``); the per-call guard then fails on every rank of the group."""
 
     vocab_start: int
     vocab_size: int
     options: LossOptions
     settings: Settings
+    stale_layout: bool = False
 
     def __getattr__(self, name: str) -> Any:  # only called for names that are not fields
         if name.startswith("__"):
@@ -198,18 +210,19 @@ class FLCEParams:
         return getattr(self.options, name)
 
     @staticmethod
-    def encode(vocab_start: int, vocab_size: int, options: LossOptions, settings: Settings) -> str:
+    def encode(vocab_start: int, vocab_size: int, options: LossOptions, settings: Settings,
+               stale_layout: bool = False) -> str:
         """The one string the ``torch.compile`` custom ops carry instead of positional options: the
         ``repr`` of plain values, built without making an FLCEParams, so that TorchDynamo folds it to
         a constant while tracing (it cannot trace ``json``, nor wrap some dataclass objects)."""
         opts = tuple(getattr(options, k) for k in _OPTION_NAMES)
-        return repr((vocab_start, vocab_size, opts, settings.astuple()))
+        return repr((vocab_start, vocab_size, opts, settings.astuple(), bool(stale_layout)))
 
     @staticmethod
     @lru_cache(maxsize=256)
     def decode(text: str) -> "FLCEParams":
-        start, vocab, opts, settings = ast.literal_eval(text)
-        return FLCEParams(start, vocab, LossOptions(*opts), Settings(*settings))
+        start, vocab, opts, settings, stale = ast.literal_eval(text)
+        return FLCEParams(start, vocab, LossOptions(*opts), Settings(*settings), stale)
 
 
 _OPTION_NAMES = LossOptions.keywords()

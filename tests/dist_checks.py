@@ -48,7 +48,7 @@ def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignor
     bs = b[s:e].to(dev, dtype).clone().requires_grad_() if bias else None
     ts = t[rows].to(dev)
     loss, lse, correct = flce_dist.fused_linear_cross_entropy(
-        xs, ws, ts, bias=bs, group=group, reduction=reduction, strategy=strategy, sequence_parallel=sp,
+        xs, ws, ts, bias=bs, group=group, vocab_size=v, reduction=reduction, strategy=strategy, sequence_parallel=sp,
         return_lse=True, return_token_accuracy=True, **opts)
     gos = go[rows].to(dev, loss.dtype) if reduction == "none" else torch.ones((), device=dev, dtype=loss.dtype)
     loss.backward(gos)
@@ -136,8 +136,8 @@ def entropy_case(ck, dev, group, *, n, h, v, dtype, sp, bias, use="both", seed=3
     xs = x[rows].to(dev, dtype).clone().requires_grad_()
     ws = w[s:e].to(dev, dtype).clone().requires_grad_()
     bs = b[s:e].to(dev, dtype).clone().requires_grad_() if bias else None
-    logp, ent = flce_dist.logprobs_and_entropy(xs, ws, t[rows].to(dev), bias=bs, group=group, sequence_parallel=sp,
-                                               **opts)
+    logp, ent = flce_dist.logprobs_and_entropy(xs, ws, t[rows].to(dev), bias=bs, group=group, vocab_size=v,
+                                               sequence_parallel=sp, **opts)
     objective = []
     if use != "entropy":
         objective.append((adv[rows].to(dev, logp.dtype) * logp).sum())
@@ -175,7 +175,8 @@ def filter_case(ck, dev, group, *, n, h, v, dtype, strategy, eps=5e-2, seed=9, o
     def run(f, order="copy"):
         xs = x.to(dev, dtype).clone().requires_grad_()
         ws = w[s:e].to(dev, dtype).clone().requires_grad_()
-        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t.to(dev), group=group, strategy=strategy, grad_filter_eps=f,
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, t.to(dev), group=group, vocab_size=v, strategy=strategy,
+                                                    grad_filter_eps=f,
                                                     settings=settings.current().replace(filter_order=order))
         loss.backward()
         return loss.detach().cpu(), xs.grad.cpu().float(), ws.grad.cpu().float()
@@ -210,8 +211,8 @@ def determinism(ck, dev, group, dtype):
             for _ in range(2):
                 xs = x[rows].to(dev).clone().requires_grad_()
                 ws = w[s:e].to(dev).clone().requires_grad_()
-                loss = flce_dist.fused_linear_cross_entropy(xs, ws, t[rows].to(dev), group=group, strategy=strategy,
-                                                            sequence_parallel=sp, deterministic=True)
+                loss = flce_dist.fused_linear_cross_entropy(xs, ws, t[rows].to(dev), group=group, vocab_size=v,
+                                                            strategy=strategy, sequence_parallel=sp, deterministic=True)
                 loss.backward()
                 runs.append((loss.detach(), xs.grad, ws.grad))
             name = f"P={p} {dtype} {strategy} sp={sp} deterministic"
@@ -236,7 +237,8 @@ def compiled(ck, dev, group, dtype):
     s, e = vocab_shard(v, r, p)
     for reduction in ("mean", "none"):
         def step(xx, ww):
-            return flce_dist.fused_linear_cross_entropy(torch.tanh(xx), ww, t, group=group, reduction=reduction)
+            return flce_dist.fused_linear_cross_entropy(torch.tanh(xx), ww, t, group=group, vocab_size=v,
+                                                        reduction=reduction)
         outs = []
         for fn in (torch.compile(step, backend="aot_eager"), step):
             xs, ws = x.clone().requires_grad_(), w[s:e].to(dev).clone().requires_grad_()
@@ -258,7 +260,7 @@ def dropped_group_is_freed(ck, dev, group):
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(6, 8, generator=g).to(dev), torch.randn(v, 8, generator=g).to(dev)
     t = torch.randint(0, v, (6,), generator=g).to(dev)
-    loss = flce_dist.fused_linear_cross_entropy(x, w[s:e], t, group=sub)
+    loss = flce_dist.fused_linear_cross_entropy(x, w[s:e], t, group=sub, vocab_size=v)
     ck.close("loss on a short-lived group", loss, reference_loss(x.double(), w.double(), t), 1e-5)
     ref = weakref.ref(sub)
     dist.destroy_process_group(sub)
@@ -328,7 +330,7 @@ def guards(ck, dev, group, raises):
         rows = slice(r * (n // p), (r + 1) * (n // p)) if sp else slice(0, n)
         xs = xx[rows].clone().requires_grad_()
         loss = flce_dist.fused_linear_cross_entropy(xs, ws.clone().requires_grad_(), tt[rows], group=group,
-                                                    sequence_parallel=sp, **opts)
+                                                    vocab_size=v, sequence_parallel=sp, **opts)
         return loss
 
     def expect(name, words, fn):
@@ -361,7 +363,8 @@ def guards(ck, dev, group, raises):
     expect("an option changed on one rank", ["call"],
            lambda st, **k: call(x, t, strategy=st, ignore_index=-1 if r == p - 1 else -100, **k))
     expect("other targets on one rank", ["targets"], lambda st, **k: call(x, other_t if r == p - 1 else t, strategy=st, **k))
-    expect("other hidden states on one rank", ["hidden"], lambda st, **k: call(other_x if r == 0 else x, t, strategy=st, **k))
+    expect("other hidden states on one rank (check_inputs)", ["hidden"],
+           lambda st, **k: call(other_x if r == 0 else x, t, strategy=st, check_inputs=True, **k))
     expect("a bad target in one rank's sequence-parallel slice", ["outside [0, V)"],
            lambda st, **k: call(x, bad_t if r == p - 1 else t, sp=True, strategy=st, **k))
     for strategy in ("fused", "recompute"):  # the guard leaves the group usable: a correct call still works
@@ -387,7 +390,7 @@ def big_memory(ck, dev, group):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    flce_dist.fused_linear_cross_entropy(x, w, t, group=group).backward()
+    flce_dist.fused_linear_cross_entropy(x, w, t, group=group, vocab_size=v).backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     grads = (x.numel() + w.numel()) * 2

@@ -66,7 +66,7 @@ def test_cpu_smoke_filter_rows(tmp_path):
 
 
 def test_check_rejects_a_wrong_implementation(monkeypatch):
-    wrong = lambda x, w, t, temp, group, start: bench_rl.torch_rl(x, w, t, temp * 1.01)  # noqa: E731
+    wrong = lambda x, w, t, temp, group, start, vocab: bench_rl.torch_rl(x, w, t, temp * 1.01)  # noqa: E731
     monkeypatch.setattr(bench_rl, "flce_rl_fn", lambda: (wrong, "wrong temperature"))
     with pytest.raises(AssertionError, match="flce_rl differs"):
         bench_rl.main(["--cpu-smoke", "--data", "random", "--impls", "flce_rl"])

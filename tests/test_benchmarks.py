@@ -947,3 +947,22 @@ def test_host_cost_probe_smoke(tmp_path, capsys):
     assert [host_cost.kernel_class(k) for k in ("_helion_lse_forward_partials", "nvjet_tst_128x256", "Memset (Device)",
                                                 "void at::native::vectorized_elementwise_kernel")] == \
         ["Helion", "cuBLAS", "memset/memcpy", "torch"]
+
+
+def test_guard_cost_probe_smoke(tmp_path):
+    """benchmarks/probes/guard_cost.py --smoke (issue 52 finding 3) runs on the CPU in its own process
+    (it makes a 1-rank gloo group): the table comes last, the default guard runs fewer ops than the
+    check_inputs one at every N and P, and its CSV has every row."""
+    cmd = [sys.executable, str(BENCH / "probes" / "guard_cost.py"), "--smoke", "--out", str(tmp_path)]
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    assert res.stdout.rstrip().splitlines()[-1].startswith("call 1-rank group"), res.stdout[-2000:]
+    with open(tmp_path / "guard_cost.csv") as f:
+        rows = list(csv.DictReader(f))
+    guard = [r for r in rows if r["what"] == "guard"]
+    assert len(guard) == 2 * 2 * 2 and len(rows) == len(guard) + 2 * 4  # 2 N x 2 P x 2 settings; calls
+    by = {(r["N"], r["P"], r["setting"].split()[0]): int(r["ops"]) for r in guard}
+    for (n, p, setting), ops in by.items():
+        if setting == "after":
+            assert 0 < ops < by[(n, p, "before")], by

@@ -218,7 +218,7 @@ def _group_worker(rank: int, tmp: str) -> None:
                 s, e = flce_dist.vocab_shard(v, rank, 2)
                 for red in (("mean",) if kw else REDUCTIONS):
                     xs, ws = x.float().requires_grad_(), w[s:e].float().requires_grad_()
-                    out = flce(xs, ws, t, group=dist.group.WORLD, reduction=red, **kw)
+                    out = flce(xs, ws, t, group=dist.group.WORLD, vocab_size=v, reduction=red, **kw)
                     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
                     ref = reference_loss(xr, wr, t, reduction=red, **kw)
                     _close(out, ref, 1e-5)
@@ -226,13 +226,13 @@ def _group_worker(rank: int, tmp: str) -> None:
                     ref.backward(torch.ones_like(ref))
                     _close(xs.grad, xr.grad, 1e-4)
                     _close(ws.grad, wr.grad[s:e], 1e-4)
-                logp, ent = logprobs_and_entropy(x.float(), w[s:e].float(), t, group=dist.group.WORLD)
+                logp, ent = logprobs_and_entropy(x.float(), w[s:e].float(), t, group=dist.group.WORLD, vocab_size=v)
                 rlogp, rent = reference_logprobs_and_entropy(x, w, t)
                 _close(logp, rlogp, 1e-5)
                 _close(ent, rent, 1e-5)
             with pytest.raises(ValueError, match="meta tensors"):
                 flce(torch.zeros(2, 8, device="meta"), torch.zeros(1, 8, device="meta"),
-                     torch.zeros(2, dtype=torch.long, device="meta"), group=dist.group.WORLD)
+                     torch.zeros(2, dtype=torch.long, device="meta"), group=dist.group.WORLD, vocab_size=2)
         dist.barrier()
     finally:
         dist.destroy_process_group()

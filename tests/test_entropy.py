@@ -180,5 +180,5 @@ def test_custom_op_opcheck_with_entropy(small_tiles):
 
     x, w, _, t, _ = _inputs(11)
     params = FLCEParams.encode(0, w.shape[0], LossOptions(reduction="none", return_entropy=True), settings.current())
-    torch.library.opcheck(fused_lce, (x, w, None, t, None, params, True, ""),
+    torch.library.opcheck(fused_lce, (x, w, None, t, None, params, True, True, ""),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -113,7 +113,7 @@ def test_custom_op_registration_opcheck(small_tiles):
     w.requires_grad_()
     for reduction, strategy in (("mean", "fused"), ("none", "recompute")):
         params = FLCEParams.encode(0, w.shape[0], LossOptions(reduction=reduction, strategy=strategy), settings.current())
-        args = (x, w, None, t, None, params, True, "")
+        args = (x, w, None, t, None, params, True, True, "")
         torch.library.opcheck(fused_lce, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 

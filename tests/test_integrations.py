@@ -226,6 +226,40 @@ def test_deepspeed_config_section():
         options_from_config(liger)
 
 
+def test_deepspeed_config_forms_and_docstring_keys():
+    """Every config form deepspeed.initialize accepts (issue 52 finding 9): a dict, a path, and the
+    JSON as a URL-safe base64 string; the module docstring lists every accepted section key."""
+    import base64
+    import json
+
+    from flce_dist.integrations import deepspeed as fds
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "flce_dist": {"z_loss": 1e-4, "check_inputs": True}}
+    b64 = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    assert fds.load_config(b64) == cfg
+    assert fds.options_from_config(b64) == {"z_loss": 1e-4, "check_inputs": True}
+    path = ROOT / "configs" / "deepspeed" / "zero1_autotp2.json"
+    assert fds.load_config(str(path)) == fds.load_config(path) == json.loads(path.read_text())
+    for bad in ("not-a-file-nor-base64", base64.urlsafe_b64encode(b"[1, 2]").decode()):
+        with pytest.raises(ValueError, match="base64"):
+            fds.load_config(bad)
+    doc = fds.__doc__.split("Section keys", 1)[1].split("\n\n", 1)[0]
+    missing = [k for k in fds._KEYS if f"``{k}``" not in doc]
+    assert not missing, f"the deepspeed module docstring's key list misses {missing}"
+
+
+@pytest.mark.dist
+def test_deepspeed_initialize_takes_a_base64_config():
+    """integrations.deepspeed.initialize with the config as base64 (as deepspeed.initialize takes it):
+    one CPU rank, a torch optimizer (no JIT-built DeepSpeed one); the section's options reach the model."""
+    pytest.importorskip("transformers")
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    rc, out, _ = _torchrun(["ds-b64"], world=1, extra_env={"DS_ACCELERATOR": "cpu"}, timeout=600)
+    assert rc == 0, out[-6000:]
+    assert "[rank 0] ds-b64 ok" in out, out[-4000:]
+
+
 # ---------------------------------------------------------------------------------------------
 # multi-rank: TP=2 == TP=1, DeepSpeed AutoTP flce_dist == DeepSpeed "torch"
 
@@ -387,12 +421,47 @@ def _worker_ds(rank: int, world: int, stages: list[int]) -> int:
     return 1 if failures else 0
 
 
+def _worker_ds_b64() -> int:
+    import base64
+    import json
+
+    from flce_dist import settings
+    from flce_dist.integrations import deepspeed as fds
+    from flce_dist.integrations.transformers import apply, is_applied
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
+           "zero_allow_untested_optimizer": True, "flce_dist": {"z_loss": 1e-3}}
+    b64 = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    model = tiny_model("llama", tied=False)
+    ref = apply(copy.deepcopy(model), z_loss=1e-3)
+    engine, *_ = fds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=b64)
+    ids, labels = batch()
+    with settings.override(blocks=SMALL_BLOCKS):
+        loss, loss_ref = engine(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss
+    ok = is_applied(engine.module) and rel(loss, loss_ref) <= 1e-6
+    print(f"[rank 0] ds-b64 {'ok' if ok else 'FAILED'}: applied {is_applied(engine.module)}, loss {loss.item()} vs "
+          f"{loss_ref.item()}", flush=True)
+    engine.destroy()
+    return 0 if ok else 1
+
+
 def _main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     mode = argv[0]
+    if mode == "ds-b64":
+        import deepspeed
+
+        from flce_dist.integrations.deepspeed import skip_cpu_shm_comm_build
+
+        skip_cpu_shm_comm_build()
+        deepspeed.init_distributed(dist_backend="gloo")
+        try:
+            return _worker_ds_b64()
+        finally:
+            dist.destroy_process_group()
     if mode == "hf":
         dist.init_process_group("gloo")
         try:

@@ -4,8 +4,8 @@
 (5) a new token count costs no handshake (no host sync), and the per-call guard keeps no per-N
     cache that grows without bound (``distributed/guard.py``);
 (7) the common TP mistakes: the full ``[V, H]`` weight on every rank raises a ValueError naming
-    ``weight``; correct shards pass; without ``vocab_size=`` (and ``vocab_start=``) a warning names
-    ``vocab_size=`` (shards in another rank order cannot be told apart from the weights);
+    ``weight``; correct shards pass; without ``vocab_size=`` and ``vocab_start=`` a plain-tensor
+    ``group=`` is a ValueError naming both (issue 52: the layout is stated, not guessed);
 (8) targets that differ across ranks (ids local to each shard): the guard's message says that
     targets are global vocabulary ids.
 
@@ -118,6 +118,7 @@ def _tokens_worker(rank, dist, calls):
         head.weight.copy_(w_full[lo:hi])
     ways = {
         "vocab_size": lambda x, t: F(x, w_full[lo:hi], t, group=group, vocab_size=v),
+        "vocab_start": lambda x, t: F(x, w_full[lo:hi], t, group=group, vocab_start=lo),
         "dtensor": lambda x, t: F(x, DTensor.from_local(w_full[lo:hi], mesh, [Shard(0)], shape=(v, h),
                                                         stride=(h, 1)), t),
         "head": lambda x, t: head(x, t),
@@ -139,12 +140,13 @@ def _tokens_worker(rank, dist, calls):
 
 @pytest.mark.dist
 def test_new_token_counts_cost_no_handshake():
-    """Without vocab_size= (or a DTensor / head that knows it) every new token count still costs one
-    handshake: nothing every rank shares then tells a new layout from an old one (shard.py)."""
+    """Every way of stating the layout (vocab_size=, vocab_start=, a DTensor weight, the head) costs
+    one handshake for any number of token counts: the token count is not part of the shard check's
+    key (shard.py)."""
     calls = 50
     for r, res in enumerate(_spawn(_tokens_worker, calls)):
         assert "error" not in res, res.get("error")
-        for way in ("vocab_size", "dtensor", "head"):
+        for way in ("vocab_size", "vocab_start", "dtensor", "head"):
             got = res[way]
             assert got["handshakes"] <= 1, f"rank {r}, {way}: {got['handshakes']} handshakes (host syncs) for {calls} token counts"
             assert got["worst"] < 1e-5, (way, got)
@@ -185,7 +187,7 @@ def _mistakes_worker(rank, dist, _):
         attempt("zeros_sized", weight=torch.zeros(hi - lo, h), vocab_size=v)
         # tied embeddings: each rank's shard is its own slice of the embedding table
         emb = torch.nn.Embedding(v, h)
-        attempt("tied", weight=emb.weight.detach()[lo:hi])
+        attempt("tied", weight=emb.weight.detach()[lo:hi], vocab_size=v)
         # targets as ids local to the rank's shard (the guard's message says they are global ids)
         try:
             F(x, w[lo:hi], t - lo, group=group, vocab_size=v)
@@ -205,12 +207,74 @@ def test_common_tp_mistakes_are_caught():
         for name in ("full", "full_sized"):
             kind, msg = res[name]
             assert kind == "ValueError" and "weight" in msg and "vocab_shard" in msg, (r, name, res[name])
-        for name in ("shards", "shards_no_size", "shards_start"):
+        for name in ("shards", "shards_start"):
             kind, err = res[name]
             assert kind == "ok" and err < 1e-5, (r, name, res[name])
+            assert not res[name + "_warnings"], res[name + "_warnings"]
         assert res["zeros_sized"][0] == "ok", (r, res["zeros_sized"])
         assert res["tied"][0] == "ok", (r, res["tied"])
-        # the rank order cannot be checked from the weights: said once, when nothing states the layout
-        assert any("vocab_size=" in m for m in res["shards_no_size_warnings"]), res["shards_no_size_warnings"]
-        assert not any("vocab_size=" in m for m in res["shards_warnings"]), res["shards_warnings"]
-        assert not any("vocab_size=" in m for m in res["shards_start_warnings"]), res["shards_start_warnings"]
+        # nothing states the layout: refused on every rank, naming what to pass
+        kind, msg = res["shards_no_size"]
+        assert kind == "ValueError" and "vocab_size=" in msg and "vocab_start=" in msg, (r, res["shards_no_size"])
+
+
+# issue 52, finding 3 ------------------------------------------------------------------------------
+
+def _two_heads_worker(rank, dist, _):
+    """Two heads of V = 7 then V = 8 rows (rank 0 holds 4 rows of both, rank 1 3 then 4) and the same
+    token count, on one group: the issue's desync (rank 0 hit the shard cache, rank 1 missed and
+    entered the handshake alone). Each way of calling reports its outcome per head."""
+    from flce_dist.distributed import shard
+
+    group = dist.group.WORLD
+    h, n = 16, 9
+    out = {}
+
+    def heads(name, **how):
+        shard.clear_shard_cache()
+        res = []
+        for v in (7, 8):
+            x, w, t = _data(n, h, v, seed=v)
+            lo, hi = flce_dist.vocab_shard(v, rank, 2)
+            kw = {k: (f(v, lo) if callable(f) else f) for k, f in how.items()}
+            try:
+                with flce_dist.settings.override(blocks=SMALL_BLOCKS):
+                    loss = F(x, w[lo:hi].clone().requires_grad_(), t, group=group, **kw)
+                res.append(("ok", rel(loss, reference_loss(x.double(), w.double(), t)), hi - lo))
+            except ValueError as exc:
+                res.append(("ValueError", str(exc), hi - lo))
+        out[name] = res
+
+    heads("vocab_size", vocab_size=lambda v, lo: v)
+    heads("vocab_start_and_size", vocab_start=lambda v, lo: lo, vocab_size=lambda v, lo: v)
+    heads("nothing")
+    heads("vocab_start_only", vocab_start=lambda v, lo: lo)
+    # after the stale-layout error the group is still usable, and clearing the cache re-checks
+    shard.clear_shard_cache()
+    x, w, t = _data(n, h, 8, seed=8)
+    lo, hi = flce_dist.vocab_shard(8, rank, 2)
+    with flce_dist.settings.override(blocks=SMALL_BLOCKS):
+        out["after"] = rel(F(x, w[lo:hi], t, group=group, vocab_start=lo), reference_loss(x.double(), w.double(), t))
+    return out
+
+
+@pytest.mark.dist
+def test_two_heads_v7_then_v8_no_desync():
+    """With vocab_size= both heads just work; with nothing stated every rank raises the same
+    ValueError naming vocab_size= and vocab_start=; with only vocab_start= the second head (a shard
+    that changed on rank 1 alone under the same stated layout) raises the same ValueError on every
+    rank at the per-call guard. Nothing hangs, no rank is alone in a collective."""
+    results = _spawn(_two_heads_worker, None)
+    for r, res in enumerate(results):
+        assert "error" not in res, res.get("error")
+        assert [x[2] for x in res["vocab_size"]] == [4 - r, 4], res  # rank 1's shard grows, rank 0's does not
+        for way in ("vocab_size", "vocab_start_and_size"):
+            assert all(kind == "ok" and err < 1e-5 for kind, err, _ in res[way]), (r, way, res[way])
+        assert all(kind == "ValueError" and "vocab_size=" in msg and "vocab_start=" in msg
+                   for kind, msg, _ in res["nothing"]), (r, res["nothing"])
+        first, second = res["vocab_start_only"]
+        assert first[0] == "ok" and first[1] < 1e-5, (r, first)
+        assert second[0] == "ValueError" and "ranks [1]" in second[1] and "vocab_size=" in second[1], (r, second)
+        assert res["after"] < 1e-5, res
+    # the same message on every rank
+    assert results[0]["vocab_start_only"][1][1] == results[1]["vocab_start_only"][1][1]

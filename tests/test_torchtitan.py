@@ -10,7 +10,7 @@ lm_head gradient, float32, to 1e-5 (loss) / 1e-4 (gradients) relative.
   ranks (torchtitan's ceil split, V not divisible by P: a short last shard), then, on 2 of them,
   spmd_types TP at 2 (the hidden gradient all-reduced over tp afterwards as torchtitan's norm
   boundary does, and as torchtitan's own test does), the core's partial dX
-  (``flce_dist.autograd.partial_dx``, both strategies), ``partial_dtensor`` (DTensor weight and
+  (``partial_dx=True``, both strategies), ``partial_dtensor`` (DTensor weight and
   hidden), and the debugmodel parallelized by torchtitan itself: tp=2 under spmd_types with
   sequence parallelism and type checking (``model.parallelize``: torchtitan's own tp
   reduce-scatter of the hidden gradient is the one under test), and FSDP2 over dp=2
@@ -25,7 +25,6 @@ hands FSDP ``DataParallelMeshDims`` with plain spmd-typed parameters, which torc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import os
@@ -363,12 +362,11 @@ def _lm_head_tp(world: int, group_rank: int, mesh) -> dict[str, float]:
 
 
 def _partial_dx(group) -> dict[str, float]:
-    """``flce_dist.autograd.partial_dx``: each rank's dX is its partial, their sum the full dX, the
-    loss and dW unchanged; both strategies. Not with sequence parallelism (ValueError)."""
+    """``partial_dx=True``: each rank's dX is its partial, their sum the full dX, the loss and dW
+    unchanged; both strategies. Not with sequence parallelism (ValueError)."""
     import torch.distributed as dist
 
     import flce_dist
-    from flce_dist.autograd import partial_dx
 
     hidden, weight, labels = _data(seed=3)
     r, p = dist.get_rank(group), dist.get_world_size(group)
@@ -378,8 +376,8 @@ def _partial_dx(group) -> dict[str, float]:
         res = []
         for partial in (False, True):
             h, w = hidden.clone().requires_grad_(), weight[a:b].clone().requires_grad_()
-            with partial_dx() if partial else contextlib.nullcontext():
-                loss = flce_dist.fused_linear_cross_entropy(h, w, labels, group=group, strategy=strategy)
+            loss = flce_dist.fused_linear_cross_entropy(h, w, labels, group=group, vocab_size=V, strategy=strategy,
+                                                        partial_dx=partial)
             loss.backward()
             dh = h.grad.clone()
             if partial:
@@ -387,9 +385,9 @@ def _partial_dx(group) -> dict[str, float]:
                 dist.all_reduce(dh, group=group)
             res.append((loss.detach(), dh, w.grad))
         out.update(_errs(res[1], res[0], f" partial_dx {strategy}"))
-    with pytest.raises(ValueError, match="sequence_parallel"), partial_dx():
+    with pytest.raises(ValueError, match="sequence_parallel"):
         flce_dist.fused_linear_cross_entropy(hidden[:, :20].clone().requires_grad_(), weight[a:b], labels[:, :20],
-                                             group=group, sequence_parallel=True)
+                                             group=group, vocab_size=V, sequence_parallel=True, partial_dx=True)
     return out
 
 

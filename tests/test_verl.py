@@ -132,20 +132,21 @@ def _tp_worker(rank, world):
     for name, bounds in splits.items():
         a, b = bounds[rank]
         w_local = weight[a:b]
-        # a group per layout: flce_dist checks a layout once per (group, local shape), and rank 0's
-        # shape is the same in both splits while the others' change
-        group = dist.new_group(list(range(world)))
-        lp, ent, dh, dw = _ours(hidden, w_local, labels, g_lp, g_ent, dist_process_group=group)
-        errs[f"{name} logprobs"] = rel(lp, r_lp)
-        errs[f"{name} entropy"] = rel(ent, r_ent)
-        errs[f"{name} dW"] = rel(dw, r_dw[a:b])
-        errs[f"{name} dX / P (verl's partial)"] = rel(dh * world, r_dh)
-        summed = dh.clone()
-        dist.all_reduce(summed, group=group)  # what Megatron's reduce-scatter / all-reduce does with verl's partials
-        errs[f"{name} sum of partial dX"] = rel(summed, r_dh)
-        _, _, dh_full, _ = _ours(hidden, w_local, labels, g_lp, g_ent, dist_process_group=group,
-                                 full_grad_hidden=True)
-        errs[f"{name} full_grad_hidden dX"] = rel(dh_full, r_dh)
+        # shards of unequal sizes (beyond verl's equal ones): the layout stated by vocab_size (rank
+        # order) or vocab_start; a group per layout (the shard check runs once per stated layout)
+        for how, kw in (("vocab_size", {"vocab_size": V}), ("vocab_start", {"vocab_start": a})):
+            group = dist.new_group(list(range(world)))
+            lp, ent, dh, dw = _ours(hidden, w_local, labels, g_lp, g_ent, dist_process_group=group, **kw)
+            errs[f"{name} {how} logprobs"] = rel(lp, r_lp)
+            errs[f"{name} {how} entropy"] = rel(ent, r_ent)
+            errs[f"{name} {how} dW"] = rel(dw, r_dw[a:b])
+            errs[f"{name} {how} partial dX is not dX"] = float(rel(dh, r_dh) < 1e-2)
+            summed = dh.clone()
+            dist.all_reduce(summed, group=group)  # what Megatron's reduce-scatter / all-reduce does with verl's partials
+            errs[f"{name} {how} sum of partial dX"] = rel(summed, r_dh)
+            _, _, dh_full, _ = _ours(hidden, w_local, labels, g_lp, g_ent, dist_process_group=group,
+                                     full_grad_hidden=True, **kw)
+            errs[f"{name} {how} full_grad_hidden dX"] = rel(dh_full, r_dh)
     # a Shard(0) DTensor weight (torch.chunk split): group and vocab_start from the mesh, full dX
     mesh = init_device_mesh("cpu", (world,))
     w_dt = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
@@ -182,9 +183,81 @@ def test_three_ranks_uneven_shards_match_reference():
         results = run_ranks(_run, world, tmp)
     for rank, res in enumerate(results):
         assert "error" not in res, f"rank {rank}:\n{res.get('error')}"
-        assert len(res) == 16, res
+        assert len(res) == 28, res
         bad = {k: e for k, e in res.items() if not e < (1e-5 if "logprobs" in k or "entropy" in k else 1e-4)}
         assert not bad, f"rank {rank}: {bad}"
+
+
+def _equal_shards_worker(rank, world):
+    """verl's own layout (equal shards, nothing stated): 8 RL micro-batches of distinct token counts;
+    the shard check's handshakes and every all-reduce counted (issue 52 finding 7: one handshake per
+    token count and an all-reduce of dX divided by P before)."""
+    import torch.distributed as dist
+
+    from flce_dist.distributed import shard
+
+    counts = {"handshakes": 0, "all_reduce": 0}
+    real_gather, real_reduce = shard.all_gather_rows, dist.all_reduce
+
+    def gather(t, group):
+        counts["handshakes"] += 1
+        return real_gather(t, group)
+
+    def reduce(*a, **k):
+        counts["all_reduce"] += 1
+        return real_reduce(*a, **k)
+
+    v_eq = 52  # 26 rows per rank: verl's equal split
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(v_eq, H, generator=g) * 0.5
+    lo, hi = rank * v_eq // world, (rank + 1) * v_eq // world
+    group = dist.new_group(list(range(world)))
+    batches = []
+    shard.all_gather_rows, dist.all_reduce = gather, reduce
+    try:
+        for i in range(8):
+            hidden = torch.randn(1, 3 + i, H, generator=g)
+            labels = torch.randint(0, v_eq, (1, 3 + i), generator=g)
+            g_lp, g_ent = torch.randn(3 + i, generator=g), torch.randn(3 + i, generator=g)
+            lp, ent, dh, dw = _ours(hidden, weight[lo:hi], labels, g_lp, g_ent, dist_process_group=group)
+            batches.append((hidden, labels, g_lp, g_ent, lp, ent, dh, dw))
+    finally:
+        shard.all_gather_rows, dist.all_reduce = real_gather, real_reduce
+    errs = {}
+    for i, (hidden, labels, g_lp, g_ent, lp, ent, dh, dw) in enumerate(batches):
+        r_lp, r_ent, r_dh, r_dw = _reference(hidden, weight, labels, g_lp, g_ent)
+        summed = dh.clone()
+        dist.all_reduce(summed, group=group)  # the caller's (Megatron's) sum of verl's partials
+        errs[i] = (rel(lp, r_lp), rel(ent, r_ent), rel(dw, r_dw[lo:hi]), rel(summed, r_dh), rel(dh, r_dh))
+    return {"counts": counts, "errs": errs}
+
+
+def _run_equal(rank, world, tmp):
+    import torch.distributed as dist
+
+    flce_dist.setup_reference_mode()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    try:
+        with flce_dist.override(blocks=SMALL_BLOCKS):
+            res = _equal_shards_worker(rank, world)
+    except Exception:  # noqa: BLE001  (reported by the test, with the rank's traceback)
+        res = {"error": traceback.format_exc()}
+    torch.save(res, os.path.join(tmp, f"r{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_equal_shards_one_handshake_and_no_dx_all_reduce():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(_run_equal, 2, tmp)
+    for rank, res in enumerate(results):
+        assert "error" not in res, f"rank {rank}:\n{res.get('error')}"
+        assert res["counts"]["handshakes"] <= 1, res["counts"]  # verl's layout is stated: not one per token count
+        assert res["counts"]["all_reduce"] == 0, res["counts"]  # partial dX (verl's convention): no dX collective
+        for i, (lp, ent, dw, summed, partial) in res["errs"].items():
+            assert lp < 1e-5 and ent < 1e-5 and dw < 1e-4 and summed < 1e-4, (rank, i, res["errs"][i])
+            assert partial > 1e-2, (rank, i)  # each rank's own partial, not the summed dX
 
 
 # ----------------------------------------------------------------------------- patch() inside verl

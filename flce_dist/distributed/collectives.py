@@ -54,19 +54,30 @@ def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None,
     p = group_size(group)
     if p == 1:
         return stats, None
-    nc, k = stats.shape
+    out = all_gather_rows(pack_stats(stats, guard), group).view(p, -1, stats.shape[1])
+    return merge_stats(out, stats.shape[0], guard)
+
+
+def pack_stats(stats: torch.Tensor, guard: torch.Tensor | None) -> torch.Tensor:
+    """This rank's all-gather payload: ``stats [Nc, k]`` and, with a guard, its words as the raw
+    bits of extra rows (padded to whole rows)."""
     if guard is None:
-        payload = stats
-    else:
-        bits = guard.view(stats.dtype)
-        pad = -bits.numel() % k
-        if pad:
-            bits = torch.cat([bits, bits.new_zeros(pad)])
-        payload = torch.cat([stats, bits.reshape(-1, k)])
-    out = all_gather_rows(payload, group).view(p, -1, k)
+        return stats
+    k = stats.shape[1]
+    bits = guard.view(stats.dtype)
+    pad = -bits.numel() % k
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    return torch.cat([stats, bits.reshape(-1, k)])
+
+
+def merge_stats(out: torch.Tensor, nc: int, guard: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gathered payloads ``out [P, Nc (+ guard rows), k]`` -> the merged ``[Nc, k]`` stats and
+    the ``[P, words]`` guards (None without a guard)."""
+    p, _, k = out.shape
     guards = None
     if guard is not None:
-        words = guard.numel() * guard.element_size() // stats.element_size()
+        words = guard.numel() * guard.element_size() // out.element_size()
         guards = out[:, nc:].reshape(p, -1)[:, :words].contiguous().view(torch.int32).reshape(p, -1)
     out = out[:, :nc]
     lse = torch.logsumexp(out[..., 0], dim=0)

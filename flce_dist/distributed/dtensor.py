@@ -12,8 +12,8 @@ Layouts accepted (mesh of any number of dims; ``d`` = the one dim on which ``wei
                  ranks hold ``ceil(V/P)`` rows, the last ones fewer or none) or any contiguous
                  split in rank order such as ``vocab_shard``'s (a DTensor built with
                  ``from_local(..., shape=...)``): every rank's ``vocab_start`` is the sum of the
-                 shard sizes of the ranks before it along dim ``d``, checked once per shape to add
-                 up to the DTensor's global ``V`` (``resolve_shard``). All-``Replicate`` weight: no
+                 shard sizes of the ranks before it along dim ``d``, checked once per layout to
+                 add up to the DTensor's global ``V`` (``resolve_shard``). All-``Replicate`` weight: no
                  vocab parallelism (single-rank math on the local copy).
   bias [V]       a DTensor with exactly the weight's mesh and placements.
   hidden [..., H] a plain tensor (replicated by contract), or a DTensor on the weight's mesh with

@@ -2,30 +2,42 @@
 
 Every rank of a group must make the same call: the same options and settings, the same tokens (or
 equal slices under sequence parallelism) and the same targets, all inside ``[0, V)``. The shard
-check of ``shard.py`` compares the layout and options once per layout (not per token count: that
-is this guard's word 2); this guard checks every call, so that a rank that changes an option or its
-token count later, or passes other hidden states or targets than its peers, or a target outside
-``[0, V)`` under sequence parallelism, never yields a finite wrong loss.
+check of ``shard.py`` compares the layout and options once per stated layout; this guard checks
+every call, so that a rank that changes an option or its token count later, or passes other targets
+than its peers, or a shard other than the one that was checked, never yields a finite wrong loss.
 
-Each rank appends ``WORDS`` int32 words to its ``[Nc, 4]`` statistics (as the raw bits of one or two
-extra float rows, 32 bytes) in the first statistics all-gather of each call
+Each rank appends ``WORDS`` int32 words to its ``[Nc, 4]`` statistics (as the raw bits of extra
+float rows, 32 bytes) in the first statistics all-gather of each call
 (``collectives.combine_stats``; the fused strategy's later chunks reuse that verdict, a device
 bool, so they carry nothing extra):
 
-    0, 1   digest of the call: options, settings, global V, hidden size, dtype (host, cached per call digest)
-    2      global token count N and rows per chunk (N * 2**16 + rows, 31 bits; a device fill)
-    3      checksum of the (global) targets: sum_n t_n * c_n, wrapping int64, low 31 bits (device)
-    4      raw bits of a float32 checksum of 16 rows of hidden  (device)
-    5      number of targets outside [0, V) that are not ignore_index  (device)
-    6, 7   0 (reserved)
+    word  what                                                      when
+    0, 1  digest of the call: options, settings, global V, hidden   always (a cached device copy,
+          size, dtype, gradient need                                 built once per call digest)
+    2     1 if this rank's shard is not the one the shard check      always (in that same copy)
+          saw for this stated layout (``FLCEParams.stale_layout``)
+    3     global token count N and rows per chunk                    always (one device fill)
+    4     checksum of the (global) targets: sum_n t_n * c_n,         always (3 small kernels)
+          wrapping int64, low 32 bits
+    5     number of targets outside [0, V) that are not ignored      where a failure raises: CPU
+                                                                     tensors, check_finite=True;
+                                                                     and with check_inputs=True
+    6     raw bits of a float32 checksum of 16 rows of hidden        check_inputs=True only
+    7     0 (reserved)
+
+Default cost per call with a group of P > 1 ranks: about 5 small kernels to build the words, the
+extra rows of the one all-gather, and 4 to read the verdict (no host sync, nothing per token
+count that is cached); ``check_inputs=True`` adds the hidden sample and the bad-target count (the
+behaviour before issue 52: about 15 kernels). ``benchmarks/probes/guard_cost.py`` measures both.
+Without word 5 a target outside ``[0, V)`` still makes its token's loss NaN (``kernels/token_loss``).
 
 After the gather every rank holds every rank's words (the same tensor on all ranks), so all ranks
-reach the same verdict: ``ok`` = all words equal across ranks and no bad target. Without a host
-sync (CUDA) a failed guard sets the chunk's global lse to NaN, so the loss and every gradient are
-NaN on every rank (never a finite wrong value); where the check costs no sync (CPU tensors) or the
-caller already pays one (``check_finite=True``) every rank raises the same ``ValueError`` naming what
-differs. Targets and hidden are compared after the sequence-parallel gathers (then they agree by
-construction, and only the bad-target count and the call digest can differ).
+reach the same verdict: ``ok`` = all words equal across ranks, and words 2 and 5 are 0. Without a
+host sync (CUDA) a failed guard sets the chunk's global lse to NaN, so the loss and every gradient
+are NaN on every rank (never a finite wrong value); where the check costs no sync (CPU tensors) or
+the caller already pays one (``check_finite=True``) every rank raises the same ``ValueError`` naming
+what differs. Targets and hidden are compared after the sequence-parallel gathers (then they agree
+by construction, and only the bad-target count and the call digest can differ).
 """
 
 from __future__ import annotations
@@ -37,11 +49,13 @@ import torch
 from .shard import call_signature
 
 WORDS = 8
-_FIELDS = ("the call (options, settings, vocabulary size, hidden size or dtype)", "the call",
-           "the number of tokens or the chunk plan", "the targets", "the hidden states")
+STALE, TOKENS, TARGETS, BAD, HIDDEN = 2, 3, 4, 5, 6
+# what a difference in a word most likely means (the words compared for equality)
+_FIELDS = {0: "the call (options, settings, vocabulary size, hidden size, dtype or gradient need)", 1: "the call",
+           TOKENS: "the number of tokens or the chunk plan", TARGETS: "the targets", HIDDEN: "the hidden states"}
 # what a difference in a word most likely means, said after it
-_HINTS = {3: " (target holds GLOBAL vocabulary ids in [0, V), the same ids on every rank: not ids local to a rank's "
-             "shard, and no rank subtracts its vocab_start)"}
+_HINTS = {TARGETS: " (target holds GLOBAL vocabulary ids in [0, V), the same ids on every rank: not ids local to a "
+                   "rank's shard, and no rank subtracts its vocab_start)"}
 
 
 @lru_cache(maxsize=256)
@@ -54,11 +68,24 @@ _CACHE_SIZE = 64
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
-def _digest_words(sig: int, device: torch.device) -> torch.Tensor:
-    """Words 0-1 on the device: one host-to-device copy per distinct call digest (cached, bounded;
+def _head_words(sig: int, stale: bool, device: torch.device) -> torch.Tensor:
+    """Words 0-2 on the device: one host-to-device copy per distinct call digest (cached, bounded;
     a copy from pageable memory waits for the stream, so never per step). Nothing here is per token
     count: RL and evaluation change N every call."""
-    return torch.tensor([sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF], dtype=torch.int32, device=device)
+    return torch.tensor([sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF, int(stale)], dtype=torch.int32, device=device)
+
+
+@lru_cache(maxsize=8)
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+@lru_cache(maxsize=8)
+def _keep_mask(device: torch.device) -> torch.Tensor:
+    """1 for the words compared for equality, 0 for those that must be 0 on every rank (2, 5)."""
+    mask = torch.ones(WORDS, dtype=torch.int32)
+    mask[[STALE, BAD]] = 0
+    return mask.to(device)
 
 
 # the target checksum's odd coefficients c_n (they depend on n only, not on N): one buffer per device,
@@ -76,43 +103,71 @@ def _coefficients(n: int, device: torch.device) -> torch.Tensor:
 
 
 def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_size: int, rows: int,
-               fields: tuple) -> torch.Tensor:
-    """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids),
-    ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks them);
-    ``fields``: what else every rank must agree on (options, settings, bias, gradient need).
-    About 10 small kernels per call, no host sync in steady state, and none for a new token count:
-    word 2 is a device fill (a kernel argument, not a copy), the 16 sampled rows a device linspace."""
+               fields: tuple, *, stale: bool = False, count_bad: bool = True, check_inputs: bool = False
+               ) -> torch.Tensor:
+    """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids,
+    int64), ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks
+    them); ``fields``: what else every rank must agree on (options, settings, bias, gradient need).
+    ``stale``: this rank's shard is not the one the shard check saw (word 2). ``count_bad``: fill
+    word 5 (where a failure raises); ``check_inputs``: words 5 and 6 (the opt-in debugging checks).
+    No host sync in steady state, and none for a new token count: word 3 is a device fill (a kernel
+    argument, not a copy)."""
     sig = call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
-    n = x.shape[0]
-    head = torch.cat([_digest_words(sig, x.device),
-                      torch.full((1,), ((n % 32768) << 16) + rows % 65536, dtype=torch.int32, device=x.device)])
-    if not n:
-        return torch.cat([head, head.new_zeros(WORDS - 3)])
-    coef = _coefficients(n, x.device)
-    sample = torch.linspace(0, n - 1, min(n, 16), device=x.device).long()
-    # int64 products and sums wrap identically on every rank (modular arithmetic is order-free)
-    checksum = (target.to(torch.int64) * coef).sum().to(torch.int32)
-    hidden = x.index_select(0, sample).float().sum().view(torch.int32)
-    tail = torch.stack([checksum & 0x7FFFFFFF, hidden, bad.sum().to(torch.int32)])
-    return torch.cat([head, tail, tail.new_zeros(WORDS - 6)])
+    n, dev = x.shape[0], x.device
+    parts = [_head_words(sig, bool(stale), dev),
+             torch.full((1,), ((n % 32768) << 16) + rows % 65536, dtype=torch.int32, device=dev)]
+    if n:
+        # int64 products and sums wrap identically on every rank (modular arithmetic is order-free)
+        parts.append((target * _coefficients(n, dev)).sum().to(torch.int32).view(1))
+    else:
+        parts.append(_zeros(1, dev))
+    if n and (count_bad or check_inputs):
+        parts.append(bad.sum().to(torch.int32).view(1))
+    else:
+        parts.append(_zeros(1, dev))
+    if n and check_inputs:
+        sample = torch.linspace(0, n - 1, min(n, 16), device=dev).long()
+        parts.append(x.index_select(0, sample).float().sum().view(torch.int32).view(1))
+        parts.append(_zeros(1, dev))
+    else:
+        parts.append(_zeros(2, dev))
+    return torch.cat(parts)
 
 
 def verdict(guards: torch.Tensor) -> torch.Tensor:
-    """0-d bool on the device: every rank made the same call and no target is outside [0, V)."""
-    return (guards == guards[0]).all() & (guards[0, 5] == 0)
+    """0-d bool on the device: every rank made the same call on the checked shard, and no target is
+    outside [0, V). One compare against rank 0's row with words 2 and 5 zeroed: equal on every rank
+    (rank 0 included) means equal across ranks and those words 0."""
+    return (guards == guards[0] * _keep_mask(guards.device)).all()
 
 
 def raise_if_failed(guards: torch.Tensor) -> None:
     """The same ``ValueError`` on every rank (a host sync: only where it is free or already paid)."""
     g = guards.cpu()
-    if bool((g == g[0]).all()) and int(g[0, 5]) == 0:
+    keep = _keep_mask(g.device)
+    if bool((g == g[0] * keep).all()):
         return
-    for word, what in enumerate(_FIELDS):
-        col = g[:, word].tolist()
-        if any(c != col[0] for c in col):
-            ranks = [r for r, c in enumerate(col) if c != col[0]]
-            raise ValueError(f"ranks {ranks} of the group differ from rank 0 in {what}{_HINTS.get(word, '')}: every "
-                             "rank of a tensor-parallel group must make the same call (the same hidden and target "
-                             "without sequence parallelism)")
-    bad = g[:, 5].tolist()
+    differs = [w for w in _FIELDS if any(c != g[0, w] for c in g[:, w].tolist())]
+    same_call = ("every rank of a tensor-parallel group must make the same call (the same hidden and target "
+                 "without sequence parallelism)")
+    if differs and differs[0] in (0, 1):
+        raise ValueError(f"ranks {_ranks(g, differs[0])} of the group differ from rank 0 in {_FIELDS[differs[0]]}: "
+                         + same_call)
+    stale = g[:, STALE].tolist()
+    if any(stale):
+        raise ValueError(f"ranks {[r for r, s in enumerate(stale) if s]} pass another vocabulary shard (rows or "
+                         "vocab_start) than the one checked for this group and stated layout (the shard check runs "
+                         "once per group, vocab_size, vocab_start given or not, hidden size, dtype and device): pass "
+                         "vocab_size= (a new vocabulary size is a new layout), or call "
+                         "flce_dist.distributed.shard.clear_shard_cache() on every rank when the layout changes")
+    if differs:
+        w = differs[0]
+        raise ValueError(f"ranks {_ranks(g, w)} of the group differ from rank 0 in {_FIELDS[w]}{_HINTS.get(w, '')}: "
+                         + same_call)
+    bad = g[:, BAD].tolist()
     raise ValueError(f"{max(bad)} target(s) outside [0, V) that are not ignore_index (counts per rank: {bad})")
+
+
+def _ranks(g: torch.Tensor, word: int) -> list[int]:
+    col = g[:, word].tolist()
+    return [r for r, c in enumerate(col) if c != col[0]]

@@ -25,9 +25,16 @@ formed, dX is all-reduced over the TP group by flce_dist (DeepSpeed's ``ColumnPa
 all-reduce is not needed) and dW lands in the shard's ``.grad`` for ZeRO to reduce over the
 data-parallel group as usual. Without labels the DeepSpeed forward (local logits) runs unchanged.
 
-Section keys (all optional): ``enabled`` (default true), ``ignore_index``, ``label_smoothing``,
-``z_loss``, ``softcap`` (default: the model's, e.g. Gemma2's ``final_logit_softcapping``),
-``temperature``, ``strategy`` (``"auto" | "fused" | "recompute"``), ``deterministic``.
+Section keys (all optional): ``enabled`` (default true) and the loss options that every integration
+accepts (``LossOptions.keywords("math")``; ``tests/test_integrations.py`` keeps this list in step):
+``ignore_index``, ``label_smoothing``, ``z_loss``, ``softcap`` (default: the model's, e.g. Gemma2's
+``final_logit_softcapping``), ``temperature``, ``strategy`` (``"auto" | "fused" | "recompute"``),
+``deterministic``, ``grad_filter_eps``, ``check_finite``, ``check_inputs``.
+
+The config may be what ``deepspeed.initialize`` takes: a dict, the path of a JSON (hjson) file, or
+that JSON as a URL-safe base64 string (DeepSpeed 0.19.8, ``runtime/config.py``:
+``base64.urlsafe_b64decode`` then ``hjson.loads``); also through ``config_params=`` or
+``args.deepspeed_config``.
 
 With ``"vocab_parallel_lm_head": false`` AutoTP follows the HF ``tp_plan`` (``lm_head:
 colwise_gather_output``: a column-parallel ``LinearLayer`` that all-gathers full logits); flce_dist
@@ -44,6 +51,8 @@ handing the model over: the lm_head is resolved at every call, so the DeepSpeed 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import warnings
@@ -78,22 +87,37 @@ def _autotp_head(head: nn.Module) -> HeadShard | None:
     return HeadShard(head.weight, bias, group, int(start), sum(int(s) for s in head._partition_sizes))
 
 
+def _loads(text: str) -> object:
+    try:
+        import hjson
+    except ImportError:
+        return json.loads(text)
+    return hjson.loads(text)
+
+
 def load_config(config: str | os.PathLike | dict | None) -> dict:
-    """The DeepSpeed config as a dict (a path is read with hjson like DeepSpeed, else json)."""
+    """The DeepSpeed config as a dict, from what ``deepspeed.initialize`` accepts: a dict, the path of
+    a JSON file (read with hjson like DeepSpeed, else json), or the JSON as a URL-safe base64 string."""
     if config is None:
         return {}
     if isinstance(config, dict):
         return config
     if isinstance(config, (str, os.PathLike)) and os.path.exists(config):
+        with open(config) as f:
+            parsed = _loads(f.read())
+        if isinstance(parsed, dict):
+            return dict(parsed)
+        raise ValueError(f"the DeepSpeed config file {config!r} does not hold a JSON object")
+    if isinstance(config, str):  # DeepSpeed's third form: base64 of the JSON text
         try:
-            import hjson
-
-            with open(config) as f:
-                return dict(hjson.load(f))
-        except ImportError:
-            with open(config) as f:
-                return json.load(f)
-    raise ValueError(f"config must be a dict or the path of a DeepSpeed JSON file, got {config!r}")
+            parsed = _loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+        except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"config is a string but neither an existing file nor the base64 of a DeepSpeed JSON "
+                             f"config (what deepspeed.initialize accepts): {config!r}") from exc
+        if isinstance(parsed, dict):
+            return dict(parsed)
+        raise ValueError(f"config is the base64 of {type(parsed).__name__}, not of a JSON object: {config!r}")
+    raise ValueError(f"config must be a dict, the path of a DeepSpeed JSON file or its base64 string, got {config!r}")
 
 
 def options_from_config(config: str | os.PathLike | dict | None) -> dict[str, Any] | None:
@@ -141,8 +165,10 @@ def initialize(model: nn.Module | None = None, config: str | os.PathLike | dict 
     if config is None and kwargs.get("config_params") is not None:
         config = kwargs.pop("config_params")
     source = config
-    if source is None and getattr(kwargs.get("args"), "deepspeed_config", None) is not None:
-        source = kwargs["args"].deepspeed_config
+    args = kwargs.get("args")
+    for name in ("deepspeed_config", "deepscale_config"):  # DeepSpeed reads both (the second is deprecated)
+        if source is None and getattr(args, name, None) is not None:
+            source = getattr(args, name)
     options = options_from_config(source)
     result = deepspeed.initialize(model=model, config=config, **kwargs)
     if options is not None:

@@ -32,9 +32,9 @@ The lm_head layouts torchtitan produces (resolved at every call):
   override copies it from ``CrossEntropyLoss.Config``); the group is the current spmd mesh's
   ``"tp"`` axis. torchtitan types the root norm's output ``R`` on tp, so it all-reduces
   (reduce-scatters under sequence parallelism) the hidden gradient the loss hands back, exactly
-  as after ``ChunkedLossWrapper``: the call runs under :func:`flce_dist.autograd.partial_dx`, so
-  flce_dist hands back this rank's partial ``dz_r @ W_r`` and skips its own dX all-reduce. The
-  hidden gradient is reduced once, by torchtitan.
+  as after ``ChunkedLossWrapper``: the call passes ``partial_dx=True``, so flce_dist hands back
+  this rank's partial ``dz_r @ W_r`` and skips its own dX all-reduce. The hidden gradient is
+  reduced once, by torchtitan.
 - ``partial_dtensor`` / ``full_dtensor`` backends: where the weight is a DTensor ``Shard(0)``
   (DTensor's ``torch.chunk`` split = the same ceil split), it gives the group and every rank's
   vocab start, and ``pred``'s gradient comes back as a DTensor with ``pred``'s own placements
@@ -47,8 +47,8 @@ The lm_head layouts torchtitan produces (resolved at every call):
   and output) is bypassed: the layouts above are handled here.
 
 Collectives per call (N = B*L tokens of this rank, H hidden, P tp ranks): forward one all-gather of
-``[N, 4]`` float32 statistics over tp (16*P*N bytes), plus, once per new shape, a small shard-size
-and call-signature check; backward none of flce_dist's own under ``spmd_types`` (torchtitan's one
+``[N, 4]`` float32 statistics over tp (16*P*N bytes), plus, once per stated layout (not per token
+count), a small shard-size and call-signature check; backward none of flce_dist's own under ``spmd_types`` (torchtitan's one
 all-reduce / reduce-scatter of the ``[N, H]`` hidden gradient, which it runs after
 ``ChunkedLossWrapper`` too); with DTensor weights one all-reduce of dX by flce_dist. torchtitan's
 ``_LossParallelCrossEntropy`` runs 3 all-reduces of ``[N/num_chunks]`` per chunk (3*num_chunks
@@ -83,7 +83,6 @@ from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
 from torchtitan.distributed.utils import get_spmd_backend
 
 from ..api import fused_linear_cross_entropy as _flce
-from ..autograd import partial_dx
 from ..distributed.dtensor import chunk_span, is_dtensor
 
 __all__ = ["FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy"]
@@ -214,13 +213,13 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
                                  f"global_vocab_size={v} split as torchtitan does (ceil(V/P) rows per rank) gives "
                                  f"{rows}")
             # torchtitan reduces the hidden gradient over tp at its norm boundary: hand back the partial
-            with partial_dx():
-                return _flce(hidden, weight, target, bias=bias, group=group, vocab_start=start, vocab_size=v, **kw)
+            return _flce(hidden, weight, target, bias=bias, group=group, vocab_start=start, vocab_size=v,
+                         partial_dx=True, **kw)
         return _flce(hidden, weight, target, bias=bias, vocab_size=self.global_vocab_size, **kw)
 
 
-# Always eager: FSDP's hooks, partial_dx() and the once-per-shape shard check are eager-only; under a
-# compiled caller this is a graph break (torchtitan compiles the model's blocks, not the loss).
+# Always eager: FSDP's hooks (the module call) are eager-only; under a compiled caller this is a graph
+# break (torchtitan compiles the model's blocks, not the loss).
 _eager_call = torch._disable_dynamo(FusedLinearCrossEntropyLoss._call)
 
 

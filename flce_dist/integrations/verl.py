@@ -26,28 +26,31 @@ The contract kept here (verl's, read from its kernel and host code):
 - ``reduction`` (case-insensitive, as verl lowercases it): ``"none"``: logprobs ``[N]``; ``"sum"``:
   the 0-d sum of the log-probabilities; ``"mean"``: that sum / N (all N tokens). Entropy is
   always per token ``[N]``. Anything else raises ``ValueError`` naming ``reduction``.
+- the layout is verl's: equal shards, rank ``r`` of ``P`` owns global ids ``[r * V_local, (r + 1) *
+  V_local)`` and ``V = P * V_local``; this adapter states it to flce_dist (``vocab_start``,
+  ``vocab_size``), so the once-per-layout shard check runs once, not once per token count. Shards
+  of other sizes (beyond verl): pass ``vocab_size=`` (the shards then in rank order) and/or
+  ``vocab_start=``; every rank must state the same layout (shards that are not equal without
+  them give a ``ValueError`` on every rank at the first call).
 - gradients: dW is this rank's rows' gradient; dX follows verl's TP convention: each rank's
-  ``d_hidden`` is a *partial* whose sum over the group is the gradient (verl leaves that sum to
-  Megatron's sequence-parallel reduce-scatter / all-reduce). flce_dist forms the summed dX with
-  its own all-reduce, so each rank returns ``dX / P``: the sum over the ranks is the exact dX.
-  ``full_grad_hidden=True`` returns the summed dX on every rank instead (flce_dist's contract, for
-  a caller that does not sum). A DTensor weight keeps DTensor semantics (full dX, no scaling).
+  ``d_hidden`` is a *partial* ``dz_r @ W_r`` whose sum over the group is the gradient (verl leaves
+  that sum to Megatron's sequence-parallel reduce-scatter / all-reduce): flce_dist's
+  ``partial_dx=True``, no dX collective here. ``full_grad_hidden=True`` returns the summed dX on
+  every rank instead (flce_dist's default contract, for a caller that does not sum). A DTensor
+  weight keeps DTensor semantics (full dX).
 
 Beyond verl: any ``H``; CPU (Helion reference mode) as well as CUDA; any dtype flce_dist takes
-(hidden and weight of one dtype, or autocast's rule); uneven shards: without ``vocab_start`` each
-rank's start is the sum of the lower ranks' shard sizes (one all-gather of the sizes, once per call
-shape), which is verl's ``rank * V_local`` for equal shards and right for ``flce_dist.vocab_shard``
-or ``torch.chunk`` splits (rank order being verl's stated layout, flce_dist's warning about an
-unstated layout is silenced); a ``Shard(0)`` DTensor weight (its mesh gives the group and the split;
-``dist_process_group`` must then be None or that group). ``labels == ignore_index`` (-100): logprob
+(hidden and weight of one dtype, or autocast's rule); uneven shards (stated as above); a
+``Shard(0)`` DTensor weight (its mesh gives the group and the split; ``dist_process_group`` must
+then be None or that group). ``labels == ignore_index`` (-100): logprob
 0, entropy 0, no gradient (verl has no ignore_index; its kernel's output there is undefined). A
 label outside ``[0, V)`` otherwise raises ``ValueError`` (CPU) or poisons that token with NaN (GPU).
 
 Collectives, per call, on ``dist_process_group`` (none when it is None or of size 1): forward one
-all-gather of ``[N, 5]`` float32 statistics; backward one all-reduce of dX (``N * H``, hidden's
-dtype); once per distinct call shape, one all-gather of the shard sizes. verl's kernel does three
-all-reduces of ``[N]``/``[N, splits]`` statistics and leaves dX unreduced, so on the Megatron path
-this adds one dX all-reduce that verl's kernel does not make (Megatron still reduce-scatters).
+all-gather of ``[N, 5]`` float32 statistics; backward none (the partial dX; with
+``full_grad_hidden=True`` one all-reduce of dX, ``N * H`` of hidden's dtype); once per stated
+layout (not per token count), one all-gather of the shard sizes and the call's signature. verl's
+kernel does three all-reduces of ``[N]``/``[N, splits]`` statistics and leaves dX unreduced too.
 
 Memory: no ``[N, V_local]`` logits, ever: per-token statistics (``O(N)``) and one vocabulary chunk
 of logits at a time, recomputed in backward; the saved tensors are hidden, weight, labels and the
@@ -65,7 +68,6 @@ from __future__ import annotations
 
 import numbers
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -82,24 +84,10 @@ BOUND_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.mod
 _REDUCTIONS = ("none", "sum", "mean")
 
 
-class _PartialGradHidden(torch.autograd.Function):
-    """Identity forward; backward divides the (group-summed) dX by the group size P, so that the
-    caller's sum over the ranks (verl's convention) gives dX once."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, size: int) -> torch.Tensor:
-        ctx.size = size
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad / ctx.size, None
-
-
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          temperature: float = 1.0, reduction: str = "none",
                          dist_process_group: dist.ProcessGroup | None = None, *,
-                         vocab_start: int | None = None, ignore_index: int = -100,
+                         vocab_start: int | None = None, vocab_size: int | None = None, ignore_index: int = -100,
                          full_grad_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction,
     dist_process_group) -> (logprobs, entropy)`` on :func:`flce_dist.logprobs_and_entropy`
@@ -108,8 +96,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     hidden [..., H]; weight [V_local, H] (this rank's rows; the full [V, H] without a group);
     labels: N = hidden.numel() / H global ids; temperature > 0 (divides the logits);
     reduction "none" | "sum" | "mean"; dist_process_group: the vocab shards' group or None.
-    Keywords beyond verl's: ``vocab_start`` (global id of ``weight[0]``; None: from the shard sizes
-    of all ranks), ``ignore_index``, ``full_grad_hidden`` (True: the summed dX on every rank).
+    Keywords beyond verl's: ``vocab_start`` (global id of ``weight[0]``) and ``vocab_size`` (the
+    global V), both None: verl's equal shards (``rank * V_local``, ``P * V_local``); ``ignore_index``;
+    ``full_grad_hidden`` (True: the summed dX on every rank).
     Returns ``(logprobs, entropy)``, float32: ``[N]`` and ``[N]`` (``reduction="none"``), or a 0-d
     logprob sum / mean and ``[N]``.
     """
@@ -134,14 +123,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                              f"{tuple(hidden.shape)} has {hidden.numel() // h} tokens (N = hidden.numel() / H)")
         hidden, labels = hidden.reshape(-1, h), labels.reshape(-1)
         p = group_size(dist_process_group)
-        if p > 1 and not full_grad_hidden and hidden.requires_grad and torch.is_grad_enabled():
-            hidden = _PartialGradHidden.apply(hidden, p)
-    with warnings.catch_warnings():
-        # rank order is verl's stated layout: flce_dist's "shards taken in rank order" warning is moot
-        warnings.filterwarnings("ignore", message=".*neither vocab_size= nor vocab_start=", category=UserWarning)
-        logprobs, entropy = logprobs_and_entropy(hidden, weight, labels, temperature=float(temperature),
-                                                 group=dist_process_group, vocab_start=vocab_start,
-                                                 ignore_index=ignore_index)
+        if dist_process_group is not None and vocab_start is None and vocab_size is None:
+            # verl's layout: equal shards in rank order (its kernel's contract)
+            v_local = weight.shape[0]
+            vocab_start, vocab_size = dist.get_rank(dist_process_group) * v_local, p * v_local
+        partial = p > 1 and not full_grad_hidden  # verl's convention: the caller sums the partial dX
+    else:
+        partial = False
+    logprobs, entropy = logprobs_and_entropy(hidden, weight, labels, temperature=float(temperature),
+                                             group=dist_process_group, vocab_start=vocab_start, vocab_size=vocab_size,
+                                             ignore_index=ignore_index, partial_dx=partial)
     if dtensor:
         logprobs, entropy = logprobs.reshape(-1), entropy.reshape(-1)
     if reduction == "sum":

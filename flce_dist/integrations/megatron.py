@@ -221,7 +221,7 @@ class OutputProcessor:
             if keep < rows:
                 weight = weight[:keep]
                 bias = None if bias is None else bias[:keep]
-            vocab = self.true_vocab_size
+            start, vocab = min(start, self.true_vocab_size), self.true_vocab_size  # an empty shard sits at V
         temperature = 1.0
         mult = getattr(config, "mup_output_mult", 1.0)
         if getattr(config, "use_mup", False) and mult != 1.0:

@@ -693,3 +693,21 @@ def test_megatron_tensor_parallel():
         _check(d, f"rank {r}")
         assert any(k.startswith("loss tp=4") for k in d)
         assert (r < 2) == any(k.startswith("loss tp=2") for k in d), (r, sorted(d))
+
+
+@needs_megatron
+def test_bench_megatron_smoke():
+    """benchmarks/bench_megatron.py --smoke: the GPU benchmark's code on a tiny model on the CPU (Megatron's
+    unfused cross entropy and flce_dist, 3 steps from one seed): the same loss curve."""
+    import re
+    import subprocess
+
+    from tests._checks import ROOT, free_port
+
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_megatron.py"), "--smoke", "--impls",
+                          "unfused,flce"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    row = re.search(r"^flce\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)$", res.stdout, re.M)
+    assert row and float(row.group(1)) < 1e-4, res.stdout[-2000:]

@@ -105,8 +105,8 @@ def build(args, impl: str, device: torch.device):
     model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=args.vocab,
                      max_sequence_length=args.seq, position_embedding_type="rope", rotary_base=500000,
                      share_embeddings_and_output_weights=True)
-    if cuda:
-        model.cuda()
+    if cuda:  # as Megatron's Float16Module does: every parameter in bf16 (the torch norms are built in float32)
+        model.cuda().bfloat16()
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     if cuda:
         from megatron.core.distributed import finalize_model_grads

@@ -186,7 +186,11 @@ class OutputProcessor:
         if weight is None:
             raise ValueError("the output layer has no weight (skip_weight_param_allocation) and Megatron passed no "
                              "output_weight")
-        group = output_layer.tp_group
+        group = getattr(output_layer, "tp_group", None)
+        if group is None:  # releases before the layers kept their group: Megatron's global tensor-parallel group
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_tensor_model_parallel_group()
         tp, rank = dist.get_world_size(group), dist.get_rank(group)
         rows = weight.shape[0]
         padded = rows * tp

@@ -92,9 +92,10 @@ class FLCEFunction(torch.autograd.Function):
             ctx.pre = None
             pre = (dx if need[0] else None, dw if need[1] else None, db if need[2] else None)
             if ctx.tw is None or ctx.p.reduction != "none":
-                return *scale_precomputed(*pre, grad_loss, ctx.w_dtype, settings=ctx.p.settings), None, None, None, None, None
-            scaled = scale_weighted(pre, grad_loss, ctx.tw, valid, ctx.p, ctx.group, ctx.w_dtype)
-            if scaled is not None:  # else the gradient is not c * loss_weights: recompute below
+                scaled = scale_precomputed(*pre, grad_loss, ctx.w_dtype, settings=ctx.p.settings)
+            else:  # None where the gradient is not c * loss_weights: recomputed below
+                scaled = scale_weighted(pre, grad_loss, ctx.tw, valid, ctx.p, ctx.group, ctx.w_dtype)
+            if scaled is not None:
                 return *scaled, None, None, None, None, None
         dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent,
                                      ctx.need_dx, ctx.need_dw, ctx.reduce_dx, ctx.tw)

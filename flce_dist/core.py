@@ -440,8 +440,9 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
     tokens; None without ``return_entropy``); ``pre`` = (dX, dW, db) formed by the fused strategy
     (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid, entropy of
-    all rows or None, token weights of all rows or None), what the backward needs; under sequence parallelism ``x`` is this
-    rank's ``hidden`` (not the gathered ``[P n, H]``): :func:`recompute_grads` gathers it again, as
+    all rows or None, the token weights of all rows or None), what the backward needs; under
+    sequence parallelism ``x`` is this rank's ``hidden`` (not the gathered ``[P n, H]``):
+    :func:`recompute_grads` gathers it again, as
     Megatron's sequence-parallel linears do. ``need_dx`` / ``need_dw``: which gradients the fused
     strategy forms (the others are None in ``pre``). ``reduce_dx`` False (``autograd.partial_dx``):
     dX stays this rank's partial sum ``dz_r @ W_r``, for a caller that reduces it itself (torchtitan

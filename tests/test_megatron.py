@@ -48,7 +48,8 @@ import flce_dist
 from flce_dist.reference import reference_loss
 from tests._checks import SMALL_BLOCKS, rel, run_ranks
 
-HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
+                 and importlib.util.find_spec("megatron.core") is not None)
 needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (launch/setup.sh)")
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 against Megatron / the float64 reference
@@ -148,7 +149,8 @@ _FORMS = [("cw", 0), ("cw+ignored", 0), ("random", 1), ("near", 1), ("zero-weigh
 # float64 runs whole-dimension tiles (one tile per kernel in reference mode: seconds less per call);
 # float32 runs several tiles in every dimension and 16-row token chunks (SMALL_BLOCKS)
 WHOLE = {"chunk_stats": {"block_n": 128, "block_s": 256, "block_v": 256}, "merge": {"block_n": 128, "block_t": 8},
-         "target_rows": {"block_n": 128}, "token_rows": {"block_n": 128}, "chunk_grad": {"block_n": 128, "block_v": 256}}
+         "target_rows": {"block_n": 128}, "token_rows": {"block_n": 128},
+         "chunk_grad": {"block_n": 128, "block_v": 256}}
 
 
 def _small(dtype: torch.dtype):
@@ -187,8 +189,9 @@ def test_loss_weights_single_rank(dtype):
                     got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
                         h, wt, target, bias=bb, reduction=red, loss_weights=w.to(dtype), **kw), hidden, weight, b,
                         torch.tensor(1.7, dtype=dtype))
-                ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, bias=bb, reduction=red, loss_weights=w,
-                                                              **kw), h64, w64, bref, torch.tensor(1.7, dtype=torch.float64))
+                ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, bias=bb, reduction=red,
+                                                              loss_weights=w, **kw),
+                             h64, w64, bref, torch.tensor(1.7, dtype=torch.float64))
                 errs[f"flag {red}{kw} {tag}: fused"] = spy.calls == 0
                 errs.update(_errs(got, ref, f"{red}{kw} {tag}", f64))
         # the recompute strategy with weights (a scalar reduction: the weights enter its row weights)
@@ -406,7 +409,8 @@ def _hybrid(tp: int, sp: bool, tied: bool):
     hybrid_block.TENorm = WrappedTorchNorm  # (CPU shim: the stack's final norm is Transformer Engine's)
     full = get_gpt_layer_local_spec()
     attn = copy.deepcopy(full)
-    attn.submodules.mlp, attn.submodules.pre_mlp_layernorm, attn.submodules.mlp_bda = IdentityOp, IdentityOp, IdentityFuncOp
+    attn.submodules.mlp, attn.submodules.pre_mlp_layernorm = IdentityOp, IdentityOp
+    attn.submodules.mlp_bda = IdentityFuncOp
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=full.submodules.pre_mlp_layernorm, mlp=full.submodules.mlp, mlp_bda=full.submodules.mlp_bda))
     stack = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attn, mlp_layer=mlp))

@@ -115,9 +115,10 @@ def _refuse(config: Any, output_layer: nn.Module) -> None:
     if mtp:
         raise ValueError(f"flce_dist's Megatron head does not support multi-token prediction (config.mtp_num_layers="
                          f"{mtp}): the MTP heads compute their own losses through the output layer's logits")
+    recipe = getattr(config, "fp8_recipe", None)
+    recipe = str(getattr(recipe, "value", recipe)).lower()
     if type(output_layer).__name__ == "TELMHeadColumnParallelLinear" or (
-            getattr(config, "fp8_output_proj", False) and getattr(config, "fp8", None)
-            and "mxfp8" in str(getattr(getattr(config, "fp8_recipe", None), "value", getattr(config, "fp8_recipe", ""))).lower()):
+            getattr(config, "fp8_output_proj", False) and getattr(config, "fp8", None) and "mxfp8" in recipe):
         raise ValueError("flce_dist's Megatron head does not support the MXFP8 output layer (config.fp8_output_proj "
                          "with fp8_recipe='mxfp8': Transformer Engine's TELMHeadColumnParallelLinear)")
     if getattr(output_layer, "gtp_remat_size", 1) > 1:
@@ -196,8 +197,8 @@ class OutputProcessor:
         padded = rows * tp
         expect = getattr(output_layer, "output_size", padded)
         if padded != expect:
-            raise ValueError(f"the output weight has {rows} rows on each of {tp} tensor-parallel ranks ({padded} in all) "
-                             f"but output_layer.output_size is {expect}: a split weight flce_dist does not support")
+            raise ValueError(f"the output weight has {rows} rows on each of {tp} tensor-parallel ranks ({padded} in "
+                             f"all) but output_layer.output_size is {expect}: a split weight, not supported")
         if hidden.dim() != 3 or hidden.shape[-1] != weight.shape[1]:
             raise ValueError(f"hidden_states must be [s, b, h] with h = {weight.shape[1]}, got {tuple(hidden.shape)}")
         sp = bool(getattr(output_layer, "sequence_parallel", False)) and tp > 1

@@ -159,6 +159,15 @@ step_titan() {
     | tee "$OUT/bench_torchtitan.log" | tail -8
 }
 
+# bench_megatron.py: a ~1B Megatron-Core GPTModel (local spec, bf16, seq 4096, V=128256, TP=1) trained by Megatron's
+# own pieces, its native fused CE vs flce_dist's install(): step time, peak memory, loss curves (carry megatron-core's
+# cp312 wheel in .whl: docs/integrations/megatron.md; MEGATRON_STEPS=300, MEGATRON_ARGS, MEGATRON_TIMEOUT=560)
+step_megatron() {
+  python3 -c "import megatron.core" 2>&1 | tail -1 | sed 's/^/megatron-core import: /'
+  timeout ${MEGATRON_TIMEOUT:-560} python3 benchmarks/bench_megatron.py --steps ${MEGATRON_STEPS:-300} --out "$OUT" \
+    ${MEGATRON_ARGS:-} 2>&1 | flt | tee "$OUT/bench_megatron.log" | sed -n '/=== bench_megatron summary/,$p'
+}
+
 # ---------------------------------------------------------------- the benchmarks (TP on every GPU)
 # bench_tp.py: flce vs Megatron-style, Liger vocab-parallel, DeepSpeed, against the TP floor
 step_tpbench() {

@@ -23,7 +23,7 @@ from .settings import Settings, current
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Arguments of fused_linear_cross_entropy that are not LossOptions fields.
 NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "vocab_size", "num_items_in_batch",
-               "settings")
+               "settings", "loss_weights")
 
 # Never traced by TorchDynamo: the eager Function (used whenever the custom op is not: eager calls,
 # and under torch.compile with sequence parallelism or DTensor inputs, as a graph break), and the
@@ -82,6 +82,25 @@ def _check_shapes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
             raise TypeError(f"bias must be {hidden.dtype} on {hidden.device}, got {bias.dtype} on {bias.device}")
 
 
+def _check_loss_weights(w: object, target: torch.Tensor, hidden: torch.Tensor, dt) -> torch.Tensor:
+    """``loss_weights`` as the core takes them: [N] contiguous, on hidden's device (see the docstring)."""
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"loss_weights must be a float tensor shaped like target, or None, got {type(w).__name__}")
+    if is_dtensor(w) or (dt is not None and dt.sequence_parallel):
+        raise TypeError("loss_weights must be a plain tensor, with plain or replicated DTensor hidden states (not with "
+                        "a sequence-sharded DTensor hidden: pass plain tensors and sequence_parallel=True)")
+    if not w.is_floating_point():
+        raise TypeError(f"loss_weights must be a floating-point tensor, got {w.dtype}")
+    if tuple(w.shape) != tuple(target.shape):
+        raise ValueError(f"loss_weights shape {tuple(w.shape)} must equal target's shape {tuple(target.shape)}")
+    if w.device != hidden.device:
+        raise ValueError(f"loss_weights is on {w.device} but hidden is on {hidden.device}")
+    if w.requires_grad and torch.is_grad_enabled():
+        raise ValueError("loss_weights require a gradient, but no gradient flows to them (they are constants of the "
+                         "loss): pass loss_weights.detach()")
+    return w.reshape(-1).contiguous()
+
+
 def _autocast_device(hidden: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype in force for ``hidden``'s device type, or None."""
     dev = hidden.device.type
@@ -126,6 +145,7 @@ def fused_linear_cross_entropy(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     num_items_in_batch: int | torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
     settings: Settings | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
@@ -194,6 +214,20 @@ def fused_linear_cross_entropy(
     without them they are ``-log p(target)``: the log-probabilities with their gradient (see
     :func:`logprobs_and_entropy`). ``num_items_in_batch`` goes with ``reduction="mean"`` only
     (``sum / num_items_in_batch``); with ``"sum"`` or ``"none"`` it raises.
+
+    ``loss_weights``: per-token weights ``w`` (float, shaped like target; constants, no gradient
+    flows to them). ``"sum"`` returns ``sum_n w_n loss_n``, ``"mean"`` that over ``sum_n w_n`` (the
+    non-ignored tokens'; ``num_items_in_batch`` if given), as ``torch.nn.functional.cross_entropy``'s
+    ``weight`` averages: 3 matmuls (fused strategy). ``"none"`` returns the UNWEIGHTED per-token
+    losses and declares that the caller weights them by ``w`` (e.g. Megatron's
+    ``sum(loss * loss_mask)``): the gradient is formed in the forward with row weights ``w`` (3
+    matmuls instead of the recompute strategy's 4), and the backward checks that the per-token
+    gradient it receives is ``c * w`` for one ``c`` (on every rank of the group): then dW is ``c``
+    times the stored one and each dX row ``g_n / w_n`` times its own; otherwise it recomputes the
+    exact gradient (the 3 matmuls again). That check costs one host sync per backward and, with a
+    group, one all-gather of 3 numbers per rank. Under sequence parallelism the weights are this
+    rank's slice (one more all-gather of ``N`` values). Under torch.compile such a call runs eagerly
+    (a graph break, as with sequence parallelism). Not with a sequence-sharded DTensor ``hidden``.
 
     Autocast: under ``torch.autocast`` the call follows autocast's rule for ``linear``: float
     ``hidden``, ``weight`` and ``bias`` are cast to the autocast dtype (e.g. an fp32 master weight
@@ -266,6 +300,8 @@ def fused_linear_cross_entropy(
                          "(start, end) = flce_dist.vocab_shard(vocab_size, rank, world_size)) and/or vocab_start= "
                          "(the global id of weight[0]). A DTensor weight states it itself")
     _check_shapes(hidden, weight, target, bias)
+    if loss_weights is not None:
+        loss_weights = _check_loss_weights(loss_weights, target, hidden, dt)
 
     h = hidden.shape[-1]
     x = hidden.reshape(-1, h)
@@ -280,14 +316,15 @@ def fused_linear_cross_entropy(
         raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
                          "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)")
     meta = hidden.device.type == "meta"  # shapes only: the custom op's fake kernels (never Helion's reference mode)
-    if meta and group is not None:
-        raise ValueError("meta tensors (shapes only) work without a group: a group's shard check is a collective")
+    if meta and (group is not None or loss_weights is not None):
+        raise ValueError("meta tensors (shapes only) work without a group or loss_weights (a group's shard check is "
+                         "a collective; loss_weights run eagerly)")
     if group is None:  # no collective: stays inside a compiled graph
         (start, vocab, stale), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
                                                               vocab_size=vocab_size), "", 1
     else:  # the call's fields, compared across ranks once per layout (distributed/shard.py)
         fields = (h, str(hidden.dtype), bias is not None, need_dx, need_dw, num_items_in_batch is not None,
-                  options.signature(), settings.astuple())
+                  options.signature(), settings.astuple(), loss_weights is not None)
         if compiling:  # traced: run once at trace time, its result a graph constant (assume_constant_result)
             start, vocab, group_name, tp, stale = resolve_call(group.group_name, weight, vocab_start, hidden.device,
                                                                -1, fields, vocab_size)
@@ -307,7 +344,7 @@ def fused_linear_cross_entropy(
     options = options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
     # the inputs are in the autocast dtype already; the core's own float32 matmuls must stay float32
     with torch.autocast(hidden.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
-        if (compiling or meta) and not options.sequence_parallel and dt is None:
+        if (compiling or meta) and not options.sequence_parallel and dt is None and loss_weights is None:
             # under torch.compile: the custom op (compile_op.py), one graph, no break
             loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(),
                                                     num_items,
@@ -316,7 +353,7 @@ def fused_linear_cross_entropy(
         else:
             params = FLCEParams(start, vocab, options, settings, stale)
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
-                                             params, group)
+                                             params, group, loss_weights)
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):

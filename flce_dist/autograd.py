@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import flce_forward, recompute_grads, scale_precomputed
+from .core import flce_forward, recompute_grads, scale_precomputed, scale_weighted
 
 DOUBLE_BACKWARD = ("fused_linear_cross_entropy does not support double backward (a backward with create_graph=True, "
                    "e.g. a gradient penalty): its gradients are formed by kernels, not by differentiable torch ops. "
@@ -32,7 +32,7 @@ class FLCEFunction(torch.autograd.Function):
 
     Inputs: hidden [N_in, H] (N_in = N / P under sequence parallelism), weight [V_r, H],
     bias [V_r] or None, target [N_in] global ids, num_items (0-d tensor or None), the call's
-    ``FLCEParams`` and process group.
+    ``FLCEParams`` and process group, and loss_weights [N_in] or None (constants: no gradient).
     Outputs: loss (scalar, or [N_in] for reduction="none"), lse [N_in] (global), correct [N_in]
     (bool: target == argmax over all shards; False for ignored tokens), both not differentiable,
     and entropy [N_in] (differentiable; an empty tensor without ``return_entropy``).
@@ -41,14 +41,14 @@ class FLCEFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, num_items, p, group):
+    def forward(ctx, hidden, weight, bias, target, num_items, p, group, loss_weights=None):
         need = ctx.needs_input_grad
         needs_grad = any(need[:3])
         # only the gradients some input needs: a frozen lm_head (LoRA / PEFT) skips the dW matmul
         # and buffer, a hidden without a gradient the dX matmul and its all-reduce
         ctx.need_dx, ctx.need_dw = bool(need[0]), bool(need[1] or need[2])
-        loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all) = flce_forward(
-            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw)
+        loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all, ctx.tw) = flce_forward(
+            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw, loss_weights)
         if needs_grad:
             # inputs cost nothing to keep (x is this rank's hidden, also under sequence parallelism);
             # they let a second backward (retain_graph, gradcheck) of the fused strategy recompute,
@@ -75,10 +75,14 @@ class FLCEFunction(torch.autograd.Function):
         if ctx.pre is not None:  # fused strategy: gradients formed in the forward
             dx, dw, db = ctx.pre
             ctx.pre = None
-            dx, dw, db = scale_precomputed(dx if need[0] else None, dw if need[1] else None,
-                                           db if need[2] else None, grad_loss, ctx.w_dtype, settings=ctx.p.settings)
-            return dx, dw, db, None, None, None, None
+            pre = (dx if need[0] else None, dw if need[1] else None, db if need[2] else None)
+            if ctx.tw is None or ctx.p.reduction != "none":
+                scaled = scale_precomputed(*pre, grad_loss, ctx.w_dtype, settings=ctx.p.settings)
+            else:  # None where the gradient is not c * loss_weights: recomputed below
+                scaled = scale_weighted(pre, grad_loss, ctx.tw, valid, ctx.p, ctx.group, ctx.w_dtype)
+            if scaled is not None:
+                return *scaled, None, None, None, None, None
         dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent,
-                                     ctx.need_dx, ctx.need_dw)
+                                     ctx.need_dx, ctx.need_dw, ctx.tw)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
-                None, None, None, None)
+                None, None, None, None, None)

@@ -84,13 +84,33 @@ def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Te
 
 
 def row_weights(valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
-                dtype: torch.dtype = torch.float32, denom: torch.Tensor | None = None) -> torch.Tensor:
+                dtype: torch.dtype = torch.float32, denom: torch.Tensor | None = None,
+                loss_weights: torch.Tensor | None = None) -> torch.Tensor:
     """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows
-    (``denom``: the mean's denominator, if already computed)."""
-    w = valid.to(dtype)
+    (``denom``: the mean's denominator, if already computed); with ``loss_weights`` [N] each row's
+    weight w_n instead of 1 (and the mean's denominator sum_n w_n, see :func:`weighted_denominator`)."""
+    w = valid.to(dtype) if loss_weights is None else token_weights(valid, loss_weights, dtype)
     if p.reduction == "mean":
-        w = w / (denom if denom is not None else mean_denominator(valid, num_items, dtype))
+        if denom is None:
+            denom = (mean_denominator(valid, num_items, dtype) if loss_weights is None
+                     else weighted_denominator(w, num_items, dtype))
+        w = w / denom
     return w
+
+
+def token_weights(valid: torch.Tensor, loss_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``loss_weights`` [N] in ``dtype``, 0 on ignored rows (whatever weight they were given)."""
+    return torch.where(valid, loss_weights.to(dtype), torch.zeros((), dtype=dtype, device=valid.device))
+
+
+def weighted_denominator(tw: torch.Tensor, num_items: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weighted mean's denominator: ``num_items_in_batch`` if given (at least 1, as unweighted),
+    else ``sum_n w_n`` over the non-ignored rows (``tw`` from :func:`token_weights`), or 1 where that
+    sum is 0 (every weight 0: the loss is 0)."""
+    if num_items is not None:
+        return mean_denominator(tw, num_items, dtype)
+    d = tw.sum()
+    return torch.where(d == 0, torch.ones_like(d), d)
 
 
 def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
@@ -103,10 +123,13 @@ def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_item
     return total / (denom if denom is not None else mean_denominator(valid, num_items, torch.float32))
 
 
-def uses_fused(needs_grad: bool, reduction: str, strategy: str, entropy: bool = False) -> bool:
+def uses_fused(needs_grad: bool, reduction: str, strategy: str, entropy: bool = False, weighted: bool = False) -> bool:
     """Whether a call takes the fused strategy (gradient formed in the forward). Not with the
-    entropy: its per-token gradient is only known in the backward."""
-    return needs_grad and reduction != "none" and strategy in ("auto", "fused") and not entropy
+    entropy: its per-token gradient is only known in the backward. ``reduction="none"`` only with
+    ``loss_weights`` (``weighted``): the per-token gradient is expected to be ``c * w`` and checked
+    in the backward (:func:`scale_weighted`)."""
+    return (needs_grad and (reduction != "none" or weighted) and strategy in ("auto", "fused")
+            and not entropy)
 
 
 def _grad_kw(p: FLCEParams) -> dict:
@@ -417,33 +440,46 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 
 def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                  num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool,
-                 need_dx: bool = True, need_dw: bool = True):
+                 need_dx: bool = True, need_dw: bool = True, loss_weights: torch.Tensor | None = None):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
     tokens; None without ``return_entropy``); ``pre`` = (dX, dW, db) formed by the fused strategy
     (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid, entropy of
-    all rows or None), what the recompute backward needs; under sequence parallelism ``x`` is this
-    rank's ``hidden`` (not the gathered ``[P n, H]``): :func:`recompute_grads` gathers it again, as
+    all rows or None, the token weights of all rows or None), what the backward needs; under
+    sequence parallelism ``x`` is this rank's ``hidden`` (not the gathered ``[P n, H]``):
+    :func:`recompute_grads` gathers it again, as
     Megatron's sequence-parallel linears do. ``need_dx`` / ``need_dw``: which gradients the fused
     strategy forms (the others are None in ``pre``). ``p.partial_dx`` (the ``partial_dx=True``
     option): dX stays this rank's partial sum ``dz_r @ W_r``, for a caller that reduces it itself
     (torchtitan all-reduces the hidden gradient at its tp boundary, verl leaves it to Megatron); not
-    with sequence parallelism (``LossOptions`` refuses the pair)."""
+    with sequence parallelism (``LossOptions`` refuses the pair).
+
+    ``loss_weights`` [N_in] (this rank's rows under sequence parallelism: all-gathered here, one
+    more all-gather of N values): per-token weights w. ``"sum"`` / ``"mean"`` reduce ``w_n loss_n``
+    (the mean over ``sum_n w_n`` or ``num_items``); ``"none"`` returns the unweighted per-token
+    losses and takes the fused strategy with row weights w: its backward (:func:`scale_weighted`)
+    checks that the arriving gradient is ``c * w``."""
     sp = p.sequence_parallel and group_size(group) > 1
     x = all_gather_rows(hidden, group) if sp else hidden
     tgt = all_gather_rows(target, group) if sp else target
     n_in = hidden.shape[0]
     # shard-local ids, the valid mask and the bad-target mask in one launch (kernels/targets.py)
     tl, valid, bad = K.target_rows(tgt, p.vocab_start, weight.shape[0], p.vocab_size, p.ignore_index, p.settings)
-    denom = mean_denominator(valid, num_items, acc_dtype(x.dtype)) if p.reduction == "mean" else None
+    tw = None  # the token weights of all rows, 0 on ignored ones
+    if loss_weights is not None:
+        tw = token_weights(valid, all_gather_rows(loss_weights, group) if sp else loss_weights, acc_dtype(x.dtype))
+    denom = None
+    if p.reduction == "mean":
+        denom = (mean_denominator(valid, num_items, acc_dtype(x.dtype)) if tw is None
+                 else weighted_denominator(tw, num_items, acc_dtype(x.dtype)))
     pre = None
-    fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy)
+    fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy, tw is not None)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None, need_dw) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
-    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw))
+    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, tw is not None))
     if fused:
-        g = row_weights(valid, p, num_items, acc_dtype(x.dtype), denom)
+        g = row_weights(valid, p, num_items, acc_dtype(x.dtype), denom, tw)
         stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard, need_dx, need_dw)
         if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
@@ -463,14 +499,14 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if p.reduction == "none":
         loss = loss_rows[rank_slice].to(acc_dtype(hidden.dtype))
     else:
-        loss = reduce_loss(loss_rows, valid, p, num_items, denom)
+        loss = reduce_loss(loss_rows if tw is None else loss_rows * tw, valid, p, num_items, denom)
     lse = lse_all[rank_slice].clone()  # the returned lse: not the tensor the backward saves
     correct = correct_all[rank_slice]
     ent_all = ent = None
     if p.return_entropy:
         ent_all = torch.where(valid, stats[:, 4], torch.zeros_like(stats[:, 4]))
         ent = ent_all[rank_slice].clone()
-    return loss, lse, correct, ent, pre, (hidden if sp else x, tl, lse_all, valid, ent_all)
+    return loss, lse, correct, ent, pre, (hidden if sp else x, tl, lse_all, valid, ent_all, tw)
 
 
 def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,
@@ -493,20 +529,69 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
     return dx, dw, db
 
 
+def scale_weighted(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, valid: torch.Tensor, p: FLCEParams,
+                   group: dist.ProcessGroup | None, w_dtype: torch.dtype):
+    """The fused strategy's backward for per-token losses with ``loss_weights``: ``pre`` = (dX, dW,
+    db) was formed in the forward with row weights w (``tw``, all rows). Exact when the arriving
+    gradient ``g`` [N_in] (this rank's rows) is ``c * w`` on every non-ignored token, one ``c`` on
+    every rank of the group (to 64 ulps of g's dtype per token): then dW and db are ``c`` times
+    theirs and each dX row ``g_n / w_n`` times its own (0 where ``w_n`` is 0). Returns the scaled
+    (dX, dW, db), or None when ``g`` is not of that form (the caller then recomputes exactly).
+
+    Every rank decides the same way: each computes its ``c`` (least squares over its rows, float64)
+    and whether its rows match it, one all-gather of these 3 numbers per rank (none on a single
+    rank) combines them, and one host sync reads the verdict and ``c``."""
+    dx, dw, db = pre
+    acc = tw.dtype
+    g = grad_loss.reshape(-1).to(acc)
+    n = g.shape[0]
+    if p.sequence_parallel and group_size(group) > 1:  # this rank's slice of the gathered rows
+        r = dist.get_rank(group)
+        tw, valid = tw[r * n:(r + 1) * n], valid[r * n:(r + 1) * n]
+    g = torch.where(valid, g, torch.zeros((), dtype=acc, device=g.device))  # ignored rows have no gradient
+    g64, w64 = g.double(), tw.double()
+    s1, s2 = (g64 * w64).sum(), (w64 * w64).sum()
+    has = s2 > 0
+    c = torch.where(has, s1 / torch.where(has, s2, torch.ones_like(s2)), torch.zeros_like(s2))
+    tol = 64 * torch.finfo(acc).eps
+    cw = c * w64
+    ok = ((g64 - cw).abs() <= tol * cw.abs()).all()
+    info = torch.stack([c, has.double(), ok.double()])[None]
+    if group_size(group) > 1:
+        info = all_gather_rows(info, group)  # [P, 3]: the same verdict on every rank
+    hs = info[:, 1] > 0
+    c_ref = info[hs.to(torch.int32).argmax(), 0] * hs.any()  # the first rank with weight's c (or 0)
+    agree = ((info[:, 0] - c_ref).abs() <= tol * c_ref.abs()) | ~hs
+    verdict, c_host = torch.stack([((info[:, 2] > 0).all() & agree.all()).double(), c_ref]).tolist()  # host sync
+    if not verdict:
+        return None
+    if dx is not None:  # dX row by row: exactly g_n / w_n times the w_n-weighted row
+        nz = tw != 0
+        dx.mul_(torch.where(nz, g / torch.where(nz, tw, torch.ones_like(tw)), torch.zeros_like(tw))[:, None])
+    if c_host != 1.0:  # float32 arithmetic for 16-bit dW, rounded once (c is not rounded to dW's dtype first)
+        for t in (dw, db):
+            if t is not None:
+                t.mul_(c_host)
+    return dx, dw, None if db is None else db.to(w_dtype)
+
+
 def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
                     valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
                     group: dist.ProcessGroup | None, ent: torch.Tensor | None = None,
-                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True):
+                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True,
+                    loss_weights: torch.Tensor | None = None):
     """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype;
     None for a gradient not needed). ``x``: this rank's hidden under sequence parallelism
     (all-gathered here again: one more all-gather, instead of keeping [P n, H] between forward and
     backward). ``ent`` [N] (all rows) and ``grad_ent`` [N_in] (this rank's rows): the entropy and
     its incoming gradient, when the entropy was returned and used. ``p.partial_dx``: this rank's
-    partial dX (see :func:`flce_forward`)."""
+    partial dX (see :func:`flce_forward`). ``loss_weights`` [N] (all rows): the token weights
+    of a scalar reduction (``"none"`` returns unweighted losses: its gradient is grad_output alone)."""
     sp = p.sequence_parallel and group_size(group) > 1
     if sp:
         x = all_gather_rows(x, group)
-    g = row_weights(valid, p, num_items, acc_dtype(x.dtype))
+    g = row_weights(valid, p, num_items, acc_dtype(x.dtype),
+                    loss_weights=None if p.reduction == "none" else loss_weights)
     if p.reduction == "none":
         go = grad_loss.to(g.dtype)
         go = all_gather_rows(go.contiguous(), group) if sp else go

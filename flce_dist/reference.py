@@ -24,20 +24,22 @@ def reference_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
                    bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
                    num_items_in_batch: int | torch.Tensor | None = None, label_smoothing: float = 0.0,
                    z_loss: float = 0.0, softcap: float | None = None, temperature: float = 1.0,
-                   return_lse: bool = False):
+                   return_lse: bool = False, loss_weights: torch.Tensor | None = None):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` (logits materialised, computed in the
     inputs' dtype). Mean divides by the non-ignored count (or ``num_items_in_batch``); an all-ignored
-    batch gives 0, not NaN."""
+    batch gives 0, not NaN. ``loss_weights`` (shaped like target): ``"sum"`` / ``"mean"`` reduce
+    ``w_n loss_n``, the mean over the non-ignored tokens' ``sum_n w_n`` (1 where that is 0) or
+    ``num_items_in_batch``; ``"none"`` returns the unweighted losses."""
     h = hidden.reshape(-1, hidden.shape[-1])
     z = reference_logits(h, weight, bias, softcap=softcap, temperature=temperature)
     return loss_from_logits(z, target, ignore_index=ignore_index, reduction=reduction,
                             num_items_in_batch=num_items_in_batch, label_smoothing=label_smoothing, z_loss=z_loss,
-                            return_lse=return_lse)
+                            return_lse=return_lse, loss_weights=loss_weights)
 
 
 def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
                      num_items_in_batch: int | torch.Tensor | None = None, label_smoothing: float = 0.0,
-                     z_loss: float = 0.0, return_lse: bool = False):
+                     z_loss: float = 0.0, return_lse: bool = False, loss_weights: torch.Tensor | None = None):
     """The loss of ``reference_loss`` from already transformed logits ``z [N, V]``."""
     t = target.reshape(-1)
     lse = torch.logsumexp(z, dim=-1)
@@ -49,13 +51,18 @@ def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int
         loss = loss - (label_smoothing / z.shape[1]) * z.sum(1)
     loss = loss + z_loss * lse * lse
     loss = torch.where(valid, loss, torch.zeros_like(loss))
+    w = None if loss_weights is None else torch.where(valid, loss_weights.reshape(-1).to(loss.dtype), 0.0)
     if reduction == "none":
         out = loss.reshape(target.shape)
     elif reduction == "sum":
-        out = loss.sum()
+        out = loss.sum() if w is None else (w * loss).sum()
+    elif w is not None and num_items_in_batch is None:
+        d = w.sum()
+        out = (w * loss).sum() / torch.where(d == 0, torch.ones_like(d), d)
     else:
         denom = num_items_in_batch if num_items_in_batch is not None else valid.sum()
-        out = loss.sum() / torch.as_tensor(denom, dtype=loss.dtype, device=loss.device).clamp(min=1)
+        total = loss.sum() if w is None else (w * loss).sum()
+        out = total / torch.as_tensor(denom, dtype=loss.dtype, device=loss.device).clamp(min=1)
     return (out, lse.reshape(target.shape)) if return_lse else out
 
 

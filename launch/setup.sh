@@ -53,6 +53,26 @@ DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation 'deepspeed==0.19.8'
 # FSDP forward import: ray, omegaconf, and tensordict's own dependencies (hydra is not imported there).
 "${pip[@]}" --no-deps 'verl==0.9.1' 'tensordict==0.10.0' 'pyvers==0.1.0'
 "${pip[@]}" 'ray==2.60.0' omegaconf cloudpickle orjson importlib_metadata
+# ---- Megatron-Core (flce_dist/integrations/megatron.py, tests/test_megatron.py) -------------------
+# megatron-core >= 0.17 declares Requires-Python >= 3.12 and ships only a cp312 wheel; its one compiled
+# file is the C++ dataset helper (megatron/core/datasets/helpers_cpp*.so, never loaded by the model
+# code or the tests), and every .py compiles under 3.11. pip refuses it on this Python 3.11, so: fetch
+# the released wheel for 3.12 (no dependencies) and unpack its pure-Python part, dist-info included
+# (importlib.metadata sees the version), into the venv's site-packages. Its declared dependencies
+# (torch, numpy, packaging) are installed above. The version is constraints-cpu.txt's.
+mcore=$(sed -n 's/^megatron-core==//p' constraints-cpu.txt)
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('megatron-core') != '$mcore')" 2>/dev/null; then
+  wheels=$(mktemp -d)
+  .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$wheels" "megatron-core==$mcore"
+  .venv/bin/python - "$wheels"/megatron_core-"$mcore"-*.whl <<'PY'
+import sys, sysconfig, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    whl.extractall(sysconfig.get_paths()["purelib"], [n for n in whl.namelist() if not n.endswith(".so")])
+PY
+  rm -rf "$wheels"
+fi
+# ---- end Megatron-Core ------------------------------------------------------------------------------
 echo "setup: $(( $(date +%s) - t0 )) s"
 case "$(.venv/bin/python -c 'import torch; print(torch.version.cuda)')" in
   None) ;;

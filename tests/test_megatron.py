@@ -1,0 +1,740 @@
+"""Megatron-Core: ``flce_dist.integrations.megatron`` inside megatron-core 0.19.2's own code, and the
+library's ``loss_weights`` (the fused 3-matmul path for per-token losses) it rests on.
+
+Part 1, ``loss_weights`` (no Megatron needed): against ``reference.py`` in float64 at odd shapes
+(and float32 through the Helion kernels, several tiles and token chunks), one rank in process and 2
+gloo ranks (an uneven vocabulary split; with and without sequence parallelism): the fused form
+(gradient ``c * w``: no recompute), the exact fallback (any other gradient, a gradient at a
+zero-weight token, gradients that differ across ranks: every rank falls back, none hangs), the
+scalar reductions, the argument errors.
+
+Part 2, Megatron (skipped when ``megatron.core`` is not installed; ``launch/setup.sh`` unpacks the
+0.19.2 wheel): tiny ``GPTModel`` / ``HybridModel`` (local specs, float32, padded vocabulary 320 for
+301 tokens, a loss mask) built and run by Megatron, at TP=1 (one forked rank) and TP=4 then TP=2
+(one start of 4 gloo ranks). The per-token loss and every parameter gradient (this rank's shard)
+against Megatron's own ``vocab_parallel_cross_entropy`` path on the same model: with and without
+sequence parallelism, tied and untied embeddings, the ``output_processor`` hook and the
+output-layer swap (HybridModel's route, also forced on GPTModel), an explicit per-call processor,
+logits without labels, MuP's output scaling, ``true_vocab_size`` against a model built with the
+unpadded vocabulary (TP=1) and against the float64 reference (TP=4: the last shard empty); a few
+AdamW steps through Megatron's training pieces that run on CPU (its ``DistributedDataParallel``
+grad buffers, ``schedules.forward_step`` / ``backward_step`` with its loss scaling, with and without
+``calculate_per_token_loss``, and its sequence-parallel grad all-reduce); the refused settings.
+
+CPU shims, here only (never in the library): a stub for the one module that imports Triton
+(``transformer/moe/ops/paged_stash.py``), ``torch.cuda.current_device`` answering ``"cpu"`` (RoPE,
+the global buffer, the sequence-parallel gathers allocate on it), the CUDA RNG tracker's ``fork``
+as a no-op (dropout is 0), torch's LayerNorm without its sequence-parallel guard (its parameters
+marked ``sequence_parallel`` as Megatron's own norms are), an explicit causal mask. Not run on CPU:
+``forward_backward_no_pipelining`` and Megatron's optimizer (both allocate on ``"cuda"``), DDP's
+bucketed grad sync (CUDA streams): DP=1 here, AdamW from torch on the DDP ``main_grad`` buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+import tempfile
+import traceback
+import types
+
+import pytest
+import torch
+
+import flce_dist
+from flce_dist.reference import reference_loss
+from tests._checks import SMALL_BLOCKS, rel, run_ranks
+
+HAVE_MEGATRON = (importlib.util.find_spec("megatron") is not None
+                 and importlib.util.find_spec("megatron.core") is not None)
+needs_megatron = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed (launch/setup.sh)")
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # float32 against Megatron / the float64 reference
+F64_TOL = 1e-10
+
+
+def _tol(key: str) -> float:
+    """``f64 ...`` keys: float64 against float64; ``param ...``: weights after AdamW steps (Adam divides
+    by sqrt(v), so a gradient entry near 0 turns float32 rounding into an O(lr) update difference:
+    1e-3); else float32's bars (loss / gradients)."""
+    if key.startswith("f64 "):
+        return F64_TOL
+    if key.startswith("param "):
+        return 1e-3
+    return LOSS_TOL if key.startswith("loss") else GRAD_TOL
+
+
+def _check(errs: dict, where: str = "") -> None:
+    """Every relative error within its tolerance; ``flag ...`` entries must be True."""
+    bad = {k: e for k, e in errs.items() if not (e is True if k.startswith("flag ") else e <= _tol(k))}
+    assert not bad, f"{where}: {bad}"
+
+
+class _Recomputes:
+    """Counts the backward's recompute calls (``flce_dist.autograd.recompute_grads``): 0 means the
+    fused form's gradient was used."""
+
+    def __enter__(self):
+        import flce_dist.autograd as A
+
+        self._real, self.calls = A.recompute_grads, 0
+
+        def counted(*a, **k):
+            self.calls += 1
+            return self._real(*a, **k)
+
+        A.recompute_grads = counted
+        return self
+
+    def __exit__(self, *exc):
+        import flce_dist.autograd as A
+
+        A.recompute_grads = self._real
+
+
+# ================================================================ part 1: loss_weights
+
+N, H, V = 67, 33, 211  # odd; V split 106 / 105 over 2 ranks
+
+
+def _lw_data(seed: int, dtype: torch.dtype, n: int = N):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
+    bias = torch.randn(V, generator=g, dtype=torch.float64) * 0.1
+    target = torch.randint(0, V, (n,), generator=g)
+    target[::9] = -100
+    w = torch.rand(n, generator=g, dtype=torch.float64) + 0.25
+    w[1::7] = 0.0
+    w[::5] = 1.0
+    return hidden.to(dtype), weight.to(dtype), bias.to(dtype), target, w
+
+
+def _grads(fn, hidden, weight, bias, go):
+    h, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    b = None if bias is None else bias.clone().requires_grad_()
+    out = fn(h, wt, b)
+    out.backward(go)
+    return [out.detach(), h.grad, wt.grad] + ([] if b is None else [b.grad])
+
+
+def _errs(got, ref, tag: str, f64: bool) -> dict:
+    return {f"{'f64 ' if f64 else ''}{k} {tag}": rel(a, b) for k, a, b in zip(("loss", "dx", "dw", "db"), got, ref)}
+
+
+def _upstream(kind: str, w: torch.Tensor, target: torch.Tensor, seed: int = 5) -> torch.Tensor:
+    """The per-token gradient that arrives: ``c * w`` (Megatron's ``loss * loss_mask`` sum), or not."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "cw":
+        return 0.37 * w
+    if kind == "cw+ignored":  # any value at ignored tokens: they have no gradient either way
+        return torch.where(target == -100, torch.full_like(w, 5.0), 0.37 * w)
+    if kind == "random":
+        return torch.randn(w.shape, generator=g, dtype=w.dtype)
+    if kind == "near":  # c * w to 1e-4 per token, 0 at zero weight: not the form (the check is per token)
+        return 0.37 * w * (1 + 1e-4 * torch.randn(w.shape, generator=g, dtype=w.dtype))
+    if kind == "zero-weight":  # c * w except a gradient at one token of weight 0
+        out = 0.37 * w
+        out[int((w == 0).nonzero()[0, 0])] = 0.5
+        return out
+    raise AssertionError(kind)
+
+
+_FORMS = [("cw", 0), ("cw+ignored", 0), ("random", 1), ("near", 1), ("zero-weight", 1)]
+
+
+# float64 runs whole-dimension tiles (one tile per kernel in reference mode: seconds less per call);
+# float32 runs several tiles in every dimension and 16-row token chunks (SMALL_BLOCKS)
+WHOLE = {"chunk_stats": {"block_n": 128, "block_s": 256, "block_v": 256}, "merge": {"block_n": 128, "block_t": 8},
+         "target_rows": {"block_n": 128}, "token_rows": {"block_n": 128},
+         "chunk_grad": {"block_n": 128, "block_v": 256}}
+
+
+def _small(dtype: torch.dtype):
+    """The tiles of a call (see WHOLE): float64 whole dimensions (``hl.dot`` has none, so its logits
+    come from torch), float32 the Helion kernels on several tiles and token chunks."""
+    if dtype == torch.float64:
+        return flce_dist.override(blocks=WHOLE)
+    return flce_dist.override(blocks=SMALL_BLOCKS, chunk_bytes=16 * V * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_loss_weights_single_rank(dtype):
+    """Per-token losses with ``loss_weights`` (fused form and fallback), and the weighted scalar
+    reductions, against the float64 reference; float32 runs the Helion kernels on several tiles and
+    token chunks (the row-scale form without a bias, chunk_grad's with one)."""
+    f64 = dtype == torch.float64
+    hidden, weight, bias, target, w = _lw_data(1, dtype)
+    h64, w64, b64 = hidden.double(), weight.double(), bias.double()
+    errs = {}
+    with _small(dtype):
+        for use_bias in (False, True):
+            b, bref = (bias, b64) if use_bias else (None, None)
+            tag = "bias" if use_bias else "nobias"
+            for kind, recomputes in _FORMS:
+                go = _upstream(kind, w, target)
+                with _Recomputes() as spy:
+                    got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
+                        h, wt, target, bias=bb, reduction="none", loss_weights=w.to(dtype)), hidden, weight, b,
+                        go.to(dtype))
+                errs[f"flag {kind} {tag}: {recomputes} recompute(s), got {spy.calls}"] = spy.calls == recomputes
+                ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, bias=bb, reduction="none"), h64, w64,
+                             bref, go)
+                errs.update(_errs(got, ref, f"none {kind} {tag}", f64))
+            for red, kw in (("sum", {}), ("mean", {}), ("mean", {"num_items_in_batch": 40})):
+                with _Recomputes() as spy:
+                    got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
+                        h, wt, target, bias=bb, reduction=red, loss_weights=w.to(dtype), **kw), hidden, weight, b,
+                        torch.tensor(1.7, dtype=dtype))
+                ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, bias=bb, reduction=red,
+                                                              loss_weights=w, **kw),
+                             h64, w64, bref, torch.tensor(1.7, dtype=torch.float64))
+                errs[f"flag {red}{kw} {tag}: fused"] = spy.calls == 0
+                errs.update(_errs(got, ref, f"{red}{kw} {tag}", f64))
+        # the recompute strategy with weights (a scalar reduction: the weights enter its row weights)
+        got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
+            h, wt, target, reduction="mean", loss_weights=w.to(dtype), strategy="recompute"), hidden, weight, None,
+            torch.tensor(0.6, dtype=dtype))
+        ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, reduction="mean", loss_weights=w), h64, w64, None,
+                     torch.tensor(0.6, dtype=torch.float64))
+        errs.update(_errs(got, ref, "mean recompute", f64))
+        # every weight 0: loss 0, gradients 0 (the mean's denominator is 1, not 0)
+        z = torch.zeros_like(w).to(dtype)
+        out = flce_dist.fused_linear_cross_entropy(hidden, weight, target, reduction="mean", loss_weights=z)
+        errs["flag all-zero weights: loss 0"] = float(out) == 0.0
+        # a second backward through the same graph (retain_graph): recomputes, same gradients
+        h, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = flce_dist.fused_linear_cross_entropy(h, wt, target, reduction="none", loss_weights=w.to(dtype))
+        go = (0.37 * w).to(dtype)
+        out.backward(go, retain_graph=True)
+        first = (h.grad.clone(), wt.grad.clone())
+        h.grad = wt.grad = None
+        out.backward(go)
+        errs.update({f"{'f64 ' if f64 else ''}dx retain_graph": rel(h.grad, first[0]),
+                     f"{'f64 ' if f64 else ''}dw retain_graph": rel(wt.grad, first[1])})
+    _check(errs, str(dtype))
+
+
+def test_loss_weights_errors():
+    hidden, weight, _, target, w = _lw_data(2, torch.float32, n=12)
+    f = flce_dist.fused_linear_cross_entropy
+    with pytest.raises(ValueError, match="loss_weights shape"):
+        f(hidden, weight, target, loss_weights=w[:5].float())
+    with pytest.raises(TypeError, match="floating-point"):
+        f(hidden, weight, target, loss_weights=torch.ones(12, dtype=torch.int64))
+    with pytest.raises(TypeError, match="loss_weights must be a float tensor"):
+        f(hidden, weight, target, loss_weights=[1.0] * 12)
+    with pytest.raises(ValueError, match="detach"):
+        f(hidden, weight, target, loss_weights=w.float().requires_grad_())
+    with pytest.raises(ValueError, match="meta"):
+        f(hidden.to("meta"), weight.to("meta"), target.to("meta"), loss_weights=w.float().to("meta"))
+    # the module takes them per call, like num_items_in_batch
+    loss_fn = flce_dist.FusedLinearCrossEntropyLoss(reduction="sum")
+    ref = reference_loss(hidden.double(), weight.double(), target, reduction="sum", loss_weights=w)
+    assert rel(loss_fn(hidden, weight, target, loss_weights=w.float()), ref) < LOSS_TOL
+
+
+def test_loss_weights_under_torch_compile():
+    """Under torch.compile a call with loss_weights runs eagerly (a graph break): the same numbers, the
+    fused form's gradient; fullgraph=True refuses it (Dynamo's graph-break error)."""
+    hidden, weight, _, target, w = _lw_data(4, torch.float64, n=20)
+    w = w.float()
+
+    def per_token(h, wt):
+        return flce_dist.fused_linear_cross_entropy(h, wt, target, reduction="none", loss_weights=w) * 1.0
+
+    with _small(torch.float64):
+        eager = _grads(lambda h, wt, bb: per_token(h, wt), hidden.float(), weight.float(), None, 0.5 * w)
+        torch._dynamo.reset()
+        with _Recomputes() as spy:
+            compiled = _grads(lambda h, wt, bb: torch.compile(per_token, backend="eager")(h, wt), hidden.float(),
+                              weight.float(), None, 0.5 * w)
+        assert spy.calls == 0
+        assert all(rel(a, b) < 1e-6 for a, b in zip(compiled, eager))
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="(?i)graph break|skip|disable"):
+            torch.compile(per_token, backend="eager", fullgraph=True)(hidden.float(), weight.float())
+        torch._dynamo.reset()
+
+
+def _lw_worker(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    flce_dist.setup_reference_mode()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    try:
+        res = _lw_checks(rank, world, dist.group.WORLD)
+    except Exception:  # noqa: BLE001  (reported by the test with the rank's traceback)
+        res = {"error": traceback.format_exc()}
+    torch.save(res, os.path.join(tmp, f"r{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _lw_checks(rank: int, world: int, group) -> dict:
+    """loss_weights at P ranks against the float64 reference of the full vocabulary: replicated and
+    sequence-parallel hidden states, the fused form and the fallback (float64; float32 through the
+    kernels for the fused form)."""
+    errs = {}
+    n = N + 1  # even: the sequence-parallel slices are equal
+    a, b = flce_dist.vocab_shard(V, rank, world)
+    sl = slice(rank * n // world, (rank + 1) * n // world)
+    for dtype in (torch.float64, torch.float32):
+        f64 = dtype == torch.float64
+        hidden, weight, _, target, w = _lw_data(3, dtype, n)
+        h64, w64 = hidden.double(), weight.double()
+        forms = _FORMS if f64 else _FORMS[:1]
+        for sp in (False, True):
+            for kind, recomputes in forms:
+                go = _upstream(kind, w, target)
+                ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, reduction="none"), h64, w64, None, go)
+                rows = sl if sp else slice(None)
+                with _small(dtype), _Recomputes() as spy:
+                    got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
+                        h, wt, target[rows], group=group, vocab_size=V, reduction="none", sequence_parallel=sp,
+                        loss_weights=w[rows].to(dtype)), hidden[rows], weight[a:b], None, go[rows].to(dtype))
+                tag = f"P={world}{' sp' if sp else ''} {kind}"
+                errs[f"flag {tag}: {recomputes} recompute(s), got {spy.calls}"] = spy.calls == recomputes
+                errs.update(_errs(got, [ref[0][rows], ref[1][rows], ref[2][a:b]], tag, f64))
+        if not f64:
+            continue
+        # sequence parallel, rank 1's slice all weight 0 (its c is undetermined: rank 0's decides)
+        w0 = w.clone()
+        w0[n // world:] = 0.0
+        go = 0.37 * w0
+        ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, reduction="none"), h64, w64, None, go)
+        with _Recomputes() as spy:
+            got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
+                h, wt, target[sl], group=group, vocab_size=V, reduction="none", sequence_parallel=True,
+                loss_weights=w0[sl]), hidden[sl], weight[a:b], None, go[sl])
+        errs["flag sp, a zero-weight slice: fused"] = spy.calls == 0
+        errs.update(_errs(got, [ref[0][sl], ref[1][sl], ref[2][a:b]], "sp zero slice", True))
+        # gradients that differ across ranks (c = 0.37 on rank 0, 0.5 on rank 1): every rank falls back
+        go = (0.37 if rank == 0 else 0.5) * w
+        with _Recomputes() as spy:
+            got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
+                h, wt, target, group=group, vocab_size=V, reduction="none", loss_weights=w), hidden, weight[a:b],
+                None, go)
+        ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, reduction="none"), h64, w64, None, go)
+        errs["flag rank-dependent gradient: recompute on every rank"] = spy.calls == 1
+        errs["f64 dw rank-dependent"] = rel(got[2], ref[2][a:b])  # each rank's shard from its own gradient
+        # weighted scalar reductions, sequence parallel
+        for red in ("sum", "mean"):
+            ref = _grads(lambda h, wt, bb: reference_loss(h, wt, target, reduction=red, loss_weights=w), h64, w64,
+                         None, torch.tensor(0.8, dtype=torch.float64))
+            got = _grads(lambda h, wt, bb: flce_dist.fused_linear_cross_entropy(
+                h, wt, target[sl], group=group, vocab_size=V, reduction=red, sequence_parallel=True,
+                loss_weights=w[sl]), hidden[sl], weight[a:b], None, torch.tensor(0.8, dtype=torch.float64))
+            errs.update(_errs(got, [ref[0], ref[1][sl], ref[2][a:b]], f"sp {red}", True))
+    return errs
+
+
+@pytest.mark.dist
+def test_loss_weights_two_ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_ranks(_lw_worker, 2, tmp, timeout=300)
+    for r, d in enumerate(res):
+        assert "error" not in d, f"rank {r}:\n{d['error']}"
+        _check(d, f"rank {r}")
+
+
+# ================================================================ part 2: Megatron-Core
+
+SEQ, MB = 24, 2  # sequence (divisible by 4: sequence parallelism at TP=4), micro-batch
+TRUE_V, PADDED_V = 301, 320  # Megatron pads the vocabulary; the padded rows take part in the softmax
+
+
+def _megatron_shims() -> None:
+    """The CPU stand-ins (see the module docstring); called in the rank processes only."""
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    if importlib.util.find_spec("triton") is None and name not in sys.modules:
+        mod = types.ModuleType(name)
+        mod.GLOBAL_BLOCK_SIZE = 1024
+
+        def _missing(*_a, **_k):
+            raise RuntimeError("Triton is not installed")
+
+        mod.paged_stash_copy_kernel = mod.paged_stash_pop_kernel = _missing
+        sys.modules[name] = mod
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import torch_norm
+
+    mrandom.CudaRNGStatesTracker.fork = contextlib.contextmanager(lambda self, name=None: (yield))
+
+    def norm(cls, config, hidden_size, eps=1e-5, **_):
+        layer = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in layer.parameters():
+            p.sequence_parallel = config.sequence_parallel  # as Megatron's own norms (TE, Apex) mark them
+        return layer
+
+    torch_norm.WrappedTorchNorm.__new__ = norm
+
+
+def _config(tp: int, sp: bool, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48,
+                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                             tensor_model_parallel_size=tp, sequence_parallel=sp, params_dtype=torch.float32, **kw)
+
+
+def _gpt(tp: int, sp: bool, tied: bool, vocab: int = PADDED_V, **kw):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    torch.manual_seed(0)
+    return GPTModel(_config(tp, sp, **kw), get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=SEQ,
+                    share_embeddings_and_output_weights=tied)
+
+
+def _hybrid(tp: int, sp: bool, tied: bool):
+    """A HybridModel of one attention and one MLP layer ("*-") from Megatron's local modules (its
+    shipped specs are Transformer Engine's); its final norm is the torch norm."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    hybrid_block.TENorm = WrappedTorchNorm  # (CPU shim: the stack's final norm is Transformer Engine's)
+    full = get_gpt_layer_local_spec()
+    attn = copy.deepcopy(full)
+    attn.submodules.mlp, attn.submodules.pre_mlp_layernorm = IdentityOp, IdentityOp
+    attn.submodules.mlp_bda = IdentityFuncOp
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=full.submodules.pre_mlp_layernorm, mlp=full.submodules.mlp, mlp_bda=full.submodules.mlp_bda))
+    stack = ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(attention_layer=attn, mlp_layer=mlp))
+    cfg = _config(tp, sp)
+    cfg.num_layers = 2
+    torch.manual_seed(0)
+    return HybridModel(cfg, stack, vocab_size=PADDED_V, max_sequence_length=SEQ, hybrid_layer_pattern="*-",
+                       share_embeddings_and_output_weights=tied, position_embedding_type="learned_absolute")
+
+
+def _batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, TRUE_V, (MB, SEQ), generator=g)
+    labels = torch.randint(0, TRUE_V, (MB, SEQ), generator=g)
+    labels[0, 3] = TRUE_V - 1
+    loss_mask = (torch.rand(MB, SEQ, generator=g) > 0.25).float()
+    position_ids = torch.arange(SEQ).expand(MB, SEQ)
+    causal = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), 1)  # True = masked (Megatron's convention)
+    return tokens, position_ids, causal, labels, loss_mask
+
+
+def _step(model, batch, scale: float = 0.37, with_mask: bool = True, **call):
+    """One forward + backward as Megatron's loss_func does it (``sum(loss * loss_mask) * c``):
+    the per-token loss and every parameter's gradient."""
+    tokens, pos, causal, labels, loss_mask = batch
+    model.zero_grad(set_to_none=True)
+    out = model(tokens, pos, causal, labels=labels, loss_mask=loss_mask if with_mask else None, **call)
+    (out * loss_mask).sum().mul(scale).backward()
+    return out.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(got, ref, tag: str) -> dict:
+    errs = {f"loss {tag}": rel(got[0], ref[0])}
+    errs[f"flag {tag}: the same parameters have gradients"] = set(got[1]) == set(ref[1])
+    errs.update({f"{k} {tag}": rel(got[1][k], v) for k, v in ref[1].items() if k in got[1]})
+    return errs
+
+
+def _versus_megatron(model, tag: str, route: str = "hook", batch=None, **install) -> dict:
+    """flce_dist (``install``) against Megatron's own cross entropy on the same model and batch."""
+    from flce_dist.integrations import megatron as fm
+
+    batch = _batch() if batch is None else batch
+    ref = _step(model, batch)
+    errs = {}
+    with flce_dist.override(blocks=SMALL_BLOCKS, chunk_bytes=8 * PADDED_V * 4), _Recomputes() as spy:
+        with fm.install(model, **install) as handle:
+            got = _step(model, batch)
+    errs[f"flag {tag}: fused (no recompute)"] = spy.calls == 0
+    errs[f"flag {tag}: route {handle.routes}"] = handle.routes == [route]
+    errs.update(_compare(got, ref, tag))
+    return errs
+
+
+def _train(tp: int, sp: bool, per_token: bool, use_flce: bool, steps: int = 3) -> tuple:
+    """AdamW steps of a tied GPTModel through Megatron's DDP (grad buffers) and its schedule's
+    ``forward_step`` / ``backward_step`` (2 micro-batches, ``loss_func`` as pretrain_gpt's), the
+    sequence-parallel grad all-reduce of ``finalize_model_grads``, and ``calculate_per_token_loss``'s
+    1 / num_tokens. Returns the reported losses per step and the final parameters."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_non_tensor_model_parallel_grads
+    from megatron.core.pipeline_parallel import schedules
+
+    from flce_dist.integrations import megatron as fm
+
+    model = _gpt(tp, sp, tied=True, calculate_per_token_loss=per_token)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    handle = fm.install(ddp) if use_flce else None
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    batches = [_batch(10 + i) for i in range(2 * steps)]
+
+    def loss_func(loss_mask, output_tensor):  # pretrain_gpt.py's
+        losses = output_tensor.view(-1).float()
+        loss_mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * loss_mask)
+        num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+        return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+    def forward_step_func(data_iterator, m):
+        tokens, pos, causal, labels, loss_mask = next(data_iterator)
+        return m(tokens, pos, causal, labels=labels, loss_mask=loss_mask), functools.partial(loss_func, loss_mask)
+
+    reported = []
+    it = iter(batches)
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        opt.zero_grad(set_to_none=True)
+        store, total = [], torch.zeros([], dtype=torch.int)
+        for mb in range(2):
+            out, num_tokens = schedules.forward_step(forward_step_func, it, ddp, 2, None, store, model.config, 1,
+                                                     is_first_microbatch=mb == 0, current_microbatch=mb)
+            schedules.backward_step(None, out, None, model.config)
+            total += num_tokens
+        _allreduce_non_tensor_model_parallel_grads([ddp], model.config)
+        if per_token:
+            ddp.scale_gradients(1.0 / total)
+        for p in model.parameters():
+            p.grad = p.main_grad
+        opt.step()
+        reported.append(torch.stack([s["lm loss"] for s in store]))
+    if handle is not None:
+        handle.remove()
+    return torch.stack(reported), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _training(tp: int, sp: bool, tag: str) -> dict:
+    errs = {}
+    for per_token in (False, True):
+        with _Recomputes() as spy:
+            got = _train(tp, sp, per_token, True)
+        ref = _train(tp, sp, per_token, False)
+        t = f"{tag} per_token={per_token}"
+        errs[f"flag train {t}: fused"] = spy.calls == 0
+        errs[f"loss train {t}"] = rel(got[0], ref[0])
+        errs.update({f"param {k} train {t}": rel(got[1][k], v) for k, v in ref[1].items()})
+    return errs
+
+
+def _single_rank_checks() -> dict:
+    from flce_dist.integrations import megatron as fm
+
+    errs = {}
+    for tied in (False, True):
+        t = "tied" if tied else "untied"
+        errs.update(_versus_megatron(_gpt(1, False, tied), f"tp=1 {t} hook"))
+        errs.update(_versus_megatron(_gpt(1, False, tied), f"tp=1 {t} swap", "swap", method="swap"))
+    errs.update(_versus_megatron(_hybrid(1, False, True), "tp=1 hybrid tied", "swap"))
+    # without labels: Megatron's own logits, before, during and after install
+    model, batch = _gpt(1, False, False), _batch()
+    tokens, pos, causal, labels, loss_mask = batch
+    logits = model(tokens, pos, causal)
+    with fm.install(model):
+        errs["flag logits without labels unchanged"] = torch.equal(model(tokens, pos, causal), logits)
+        # a caller's own processor wins over the installed one
+        errs["flag explicit processor wins"] = torch.equal(
+            model(tokens, pos, causal, labels=labels, output_processor=lambda **kw: kw["labels"].float()),
+            labels.float())
+    errs["flag logits after remove"] = torch.equal(model(tokens, pos, causal), logits)
+    # per call: output_processor= (no install); without loss_mask: the recompute strategy
+    ref = _step(model, batch)
+    with _Recomputes() as spy:
+        got = _step(model, batch, output_processor=fm.output_processor)
+    errs.update(_compare(got, ref, "tp=1 per-call processor"))
+    with _Recomputes() as spy:
+        got = _step(model, batch, with_mask=False, output_processor=fm.output_processor)
+    errs["flag no loss_mask: recompute"] = spy.calls == 1
+    errs.update(_compare(got, ref, "tp=1 no loss_mask"))
+    # MuP: logits scaled by mup_output_mult (flce_dist's temperature 1 / mult)
+    model = _gpt(1, False, False)
+    model.config.use_mup, model.config.mup_output_mult = True, 0.6
+    errs.update(_versus_megatron(model, "tp=1 mup"))
+    # true_vocab_size: the padded rows leave the softmax = Megatron on a model built with the true V
+    for tied in (False, True):
+        padded, exact = _gpt(1, False, tied), _gpt(1, False, tied, vocab=TRUE_V)
+        with torch.no_grad():
+            for (_, p), (_, q) in zip(padded.named_parameters(), exact.named_parameters()):
+                p.copy_(torch.cat([q, p[q.shape[0]:]]) if p.shape != q.shape else q)
+        ref = _step(exact, batch)
+        with fm.install(padded, true_vocab_size=TRUE_V):
+            got = _step(padded, batch)
+        vocab_rows = [k for k in ref[1] if ref[1][k].shape != got[1][k].shape]
+        errs[f"flag true_vocab_size tied={tied}: padded rows get no gradient"] = all(
+            bool((got[1][k][TRUE_V:] == 0).all()) for k in vocab_rows) and bool(vocab_rows)
+        got = (got[0], {k: (v[:TRUE_V] if k in vocab_rows else v) for k, v in got[1].items()})
+        errs.update(_compare(got, ref, f"tp=1 true_vocab_size tied={tied}"))
+    errs.update(_training(1, False, "tp=1"))
+    errs.update(_refusals())
+    return errs
+
+
+def _raises(fn, exc, words) -> bool:
+    try:
+        fn()
+    except exc as e:
+        return all(w in str(e) for w in words)
+    return False
+
+
+def _refusals() -> dict:
+    from flce_dist.integrations import megatron as fm
+
+    out = {}
+
+    def with_setting(obj_attr, value, words):
+        model = _gpt(1, False, False)
+        obj = model.output_layer if obj_attr[0] == "layer" else model.config
+        setattr(obj, obj_attr[1], value)
+        out[f"flag refuses {obj_attr[1]}"] = _raises(lambda: fm.install(model), ValueError, words)
+
+    with_setting(("config", "mtp_num_layers"), 1, ["mtp_num_layers"])
+    with_setting(("config", "defer_embedding_wgrad_compute"), True, ["defer_embedding_wgrad_compute"])
+    with_setting(("layer", "gtp_remat_size"), 2, ["gtp_remat"])
+    with_setting(("layer", "disable_grad_reduce"), True, ["disable_grad_reduce"])
+    model = _gpt(1, False, False)
+    model.config.fp8_output_proj, model.config.fp8, model.config.fp8_recipe = True, "e4m3", "mxfp8"
+    out["flag refuses the MXFP8 output layer"] = _raises(lambda: fm.install(model), ValueError, ["fp8_output_proj"])
+    model = _gpt(1, False, False)
+    handle = fm.install(model)
+    out["flag refuses a second install"] = _raises(lambda: fm.install(model), ValueError, ["already installed"])
+    handle.remove()
+    fm.install(model).remove()  # removed: installs again
+    out["flag refuses a non-Megatron module"] = _raises(lambda: fm.install(torch.nn.Linear(2, 2)), TypeError,
+                                                        ["GPTModel"])
+    out["flag hook needs GPTModel's hook"] = _raises(lambda: fm.install(_hybrid(1, False, False), method="hook"),
+                                                     ValueError, ["output_processor", "swap"])
+    out["flag true_vocab_size checked"] = _raises(lambda: fm.OutputProcessor(true_vocab_size=0), ValueError,
+                                                  ["true_vocab_size"])
+    # a refused setting turned on after install is caught at the call
+    model = _gpt(1, False, False)
+    with fm.install(model):
+        model.output_layer.gtp_remat_size = 2
+        out["flag refuses at the call"] = _raises(lambda: _step(model, _batch()), ValueError, ["gtp_remat"])
+    return out
+
+
+def _tp4_checks(rank: int) -> dict:
+    """TP=4, sequence parallel, tied (shards of 80 padded rows), both routes; then true_vocab_size
+    through the processor on the model's output layer against the float64 reference of the true
+    vocabulary (230: rank 3's shard is empty)."""
+    from flce_dist.integrations import megatron as fm
+
+    errs = _versus_megatron(_gpt(4, True, True), "tp=4 sp tied hook")
+    errs.update(_versus_megatron(_gpt(4, True, False), "tp=4 sp untied swap", "swap", method="swap"))
+    model = _gpt(4, True, False)
+    layer = model.output_layer
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(SEQ, MB, 32, generator=g)
+    labels = torch.randint(0, 230, (MB, SEQ), generator=g)
+    w_full = torch.randn(PADDED_V, 32, generator=g) * 0.3
+    rows = slice(rank * 80, (rank + 1) * 80)
+    with torch.no_grad():
+        layer.weight.copy_(w_full[rows])
+    h = hidden[rank * SEQ // 4:(rank + 1) * SEQ // 4].clone().requires_grad_()
+    loss = fm.OutputProcessor(true_vocab_size=230).loss(h, layer, None, labels, None, model.config)
+    loss.sum().backward()
+    h64, w64 = hidden.double().requires_grad_(), w_full[:230].double().requires_grad_()
+    ref = reference_loss(h64.reshape(-1, 32), w64, labels.T.reshape(-1), reduction="none")
+    ref.sum().backward()
+    dw_ref = torch.cat([w64.grad, torch.zeros(PADDED_V - 230, 32, dtype=torch.float64)])[rows]
+    errs["loss tp=4 true_vocab_size"] = rel(loss, ref.view(SEQ, MB).T)
+    errs["dx tp=4 true_vocab_size"] = rel(h.grad, h64.grad[rank * SEQ // 4:(rank + 1) * SEQ // 4])
+    dw = layer.weight.grad
+    if rank < 3:
+        errs["dw tp=4 true_vocab_size"] = rel(dw, dw_ref)
+    else:  # rank 3's shard is all padding: no gradient
+        errs["flag tp=4 true_vocab_size: the empty shard's gradient is 0"] = dw is None or not bool(dw.any())
+    return errs
+
+
+def _tp2_checks() -> dict:
+    errs = {}
+    for sp in (False, True):
+        for tied in (False, True):
+            errs.update(_versus_megatron(_gpt(2, sp, tied), f"tp=2 {'sp' if sp else 'nosp'} tied={tied} hook"))
+    errs.update(_versus_megatron(_gpt(2, True, True), "tp=2 sp tied swap", "swap", method="swap"))
+    errs.update(_versus_megatron(_hybrid(2, True, True), "tp=2 sp hybrid tied", "swap"))
+    errs.update(_training(2, True, "tp=2 sp"))
+    return errs
+
+
+def _megatron_worker(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    flce_dist.setup_reference_mode()
+    torch.set_num_threads(1)
+    errs: dict = {}
+    try:
+        _megatron_shims()
+        from megatron.core import parallel_state
+
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        if world == 1:
+            errs.update(_single_rank_checks())
+        else:  # 4 ranks: TP=4; then ranks 0 and 1 in a new world of 2: TP=2
+            errs.update(_tp4_checks(rank))
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+            if rank < 2:
+                dist.init_process_group("gloo", init_method=f"file://{tmp}/store2", rank=rank, world_size=2)
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+                errs.update(_tp2_checks())
+    except Exception:  # noqa: BLE001  (reported by the test with the rank's traceback)
+        errs = {"error": traceback.format_exc()}
+    torch.save(errs, os.path.join(tmp, f"r{rank}.pt"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@needs_megatron
+def test_megatron_single_rank():
+    """TP=1 in one forked process (Megatron's parallel state stays out of the pytest process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (res,) = run_ranks(_megatron_worker, 1, tmp, timeout=300)
+    assert "error" not in res, res.get("error")
+    assert len(res) == 250, len(res)  # every check ran
+    _check(res, "tp=1")
+
+
+@needs_megatron
+@pytest.mark.dist
+def test_megatron_tensor_parallel():
+    """TP=4 on 4 gloo ranks, then TP=2 on 2 of them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_ranks(_megatron_worker, 4, tmp, timeout=600)
+    for r, d in enumerate(res):
+        assert "error" not in d, f"rank {r}:\n{d['error']}"
+        _check(d, f"rank {r}")
+        assert len(d) == (202 if r < 2 else 44), (r, len(d))  # TP=4 on every rank, then TP=2 on ranks 0 and 1
+
+
+@needs_megatron
+def test_bench_megatron_smoke():
+    """benchmarks/bench_megatron.py --smoke: the GPU benchmark's code on a tiny model on the CPU (Megatron's
+    unfused cross entropy and flce_dist, 3 steps from one seed): the same loss curve."""
+    import re
+    import subprocess
+
+    from tests._checks import ROOT, free_port
+
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_megatron.py"), "--smoke", "--impls",
+                          "unfused,flce"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    row = re.search(r"^flce\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)$", res.stdout, re.M)
+    assert row and float(row.group(1)) < 1e-4, res.stdout[-2000:]

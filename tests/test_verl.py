@@ -161,7 +161,9 @@ def _tp_worker(rank, world):
     return errs
 
 
-def _run(rank, world, tmp):
+def _run(rank, world, tmp, worker=None):
+    """One gloo rank: ``worker(rank, world)`` (default ``_tp_worker``) in reference mode with several tiles; its
+    result (or the traceback) saved for the test."""
     import torch.distributed as dist
 
     flce_dist.setup_reference_mode()
@@ -169,7 +171,7 @@ def _run(rank, world, tmp):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
     try:
         with flce_dist.override(blocks=SMALL_BLOCKS):
-            res = _tp_worker(rank, world)
+            res = (worker or _tp_worker)(rank, world)
     except Exception:  # noqa: BLE001  (reported by the test, with the rank's traceback)
         res = {"error": traceback.format_exc()}
     torch.save(res, os.path.join(tmp, f"r{rank}.pt"))
@@ -233,18 +235,7 @@ def _equal_shards_worker(rank, world):
 
 
 def _run_equal(rank, world, tmp):
-    import torch.distributed as dist
-
-    flce_dist.setup_reference_mode()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-    try:
-        with flce_dist.override(blocks=SMALL_BLOCKS):
-            res = _equal_shards_worker(rank, world)
-    except Exception:  # noqa: BLE001  (reported by the test, with the rank's traceback)
-        res = {"error": traceback.format_exc()}
-    torch.save(res, os.path.join(tmp, f"r{rank}.pt"))
-    dist.destroy_process_group()
+    _run(rank, world, tmp, _equal_shards_worker)
 
 
 @pytest.mark.dist

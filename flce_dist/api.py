@@ -101,6 +101,16 @@ def _check_loss_weights(w: object, target: torch.Tensor, hidden: torch.Tensor, d
     return w.reshape(-1).contiguous()
 
 
+def _check_target_range(t: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """CPU targets only (a host sync, free there): ``ValueError`` for a target outside ``[0, vocab)`` that is not
+    ``ignore_index`` (on the GPU such a target poisons its loss with NaN instead, and with a group the guard
+    raises on every rank)."""
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not ignore_index ({ignore_index})")
+
+
 def _autocast_device(hidden: torch.Tensor) -> torch.dtype | None:
     """The autocast dtype in force for ``hidden``'s device type, or None."""
     dev = hidden.device.type
@@ -333,11 +343,7 @@ def fused_linear_cross_entropy(
                                                            fields, vocab_size)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
-        bad = (t != options.ignore_index) & ((t < 0) | (t >= vocab))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not ignore_index "
-                             f"({options.ignore_index})")
+        _check_target_range(t, vocab, options.ignore_index)
     num_items = _num_items(num_items_in_batch, hidden.device)
     if not torch.is_grad_enabled():
         options = options.replace(strategy="recompute")  # evaluation: statistics only, one matmul

@@ -112,6 +112,12 @@ def arch_of(device: torch.device) -> str:
     return {(9, 0): "h200"}.get((major, minor), f"sm{major}{minor}")
 
 
+def split_targets(device: torch.device) -> bool:
+    """Whether a logits pass without a bias leaves its target logits to ``kernels/target_dot.py`` (sm_90):
+    then the pass does not read the targets (the probes and tests emulate it on the CPU by replacing this)."""
+    return arch_of(device) == "h200"
+
+
 def helion_series() -> str | None:
     """``"<major>.<minor>"`` of the installed helion (from its metadata, without importing it)."""
     from .._helion_compat import _major_minor, helion_version
@@ -365,7 +371,7 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     ref = exp_ref if exp_ref is not None else x.new_zeros(1, dtype=torch.float32)
     # on sm_90 a pass without a bias leaves its target logits to kernels/target_dot.py (the same bits,
     # without a compare per element); elsewhere (other GPUs, reference mode) the pass finds them itself
-    nt = bias is None and arch_of(x.device) == "h200"
+    nt = bias is None and split_targets(x.device)
     # the pass that reads W through an index has its own entry (pointer loads for W, not TMA), else "store"'s
     variant = ("store_gather" if w_perm is not None else "store") if z_out is not None else ""
     perm = w_perm.to(torch.int32) if w_perm is not None else target_local.new_zeros(1, dtype=torch.int32)

@@ -62,6 +62,8 @@ all-reduce / reduce-scatter of dX; ``deterministic=True`` replaces them (see ``c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -71,7 +73,7 @@ from .distributed import (all_gather_rows, all_reduce_async, all_reduce_determin
 from .distributed.guard import call_guard, raise_if_failed, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
-from . import accumulate, rowscale
+from . import accumulate, chunking, rowscale
 from .options import FLCEParams
 from .settings import Settings
 from .vocab_order import VocabOrder
@@ -270,16 +272,30 @@ def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bo
     V = 262208, bf16, TP=1, CUDA budget) at N = 8192: 5 chunks of 1664 rows (0.83 GiB) + 1.13 GiB of
     float32 half, or 4 of 2048 rows (1.03 GiB): 4. llama3 takes 4 up to N ~ 27k and keeps the float32
     plan beyond (4 chunks would outgrow it). Not with an explicit ``chunk_bytes`` (the chunk is then
-    the caller's choice), the gradient filter (its dW never accumulates in float32) or without dW."""
-    extra = rowscale.row_bytes(x.shape[1], x.dtype) if _row_scale_form(x, has_bias, p) else 0
-    v = -(-p.vocab_size // tp)
-    rows = chunk_rows(n, v, x.element_size(), x.device, p.settings, share=tp, row_extra_bytes=extra)
-    if (need_dw and n > 0 and p.settings.chunk_bytes is None and p.settings.dw_accumulate == "auto"
-            and not p.options.filter_eps(x.dtype) and accumulate.uses_float32(x.dtype, -(-n // rows), p.settings)):
+    the caller's choice), the gradient filter (its dW never accumulates in float32) or without dW.
+    Cached per (shape, dtype, device type, options, settings, group size, bias, dW and the budget's module
+    constants): the plan depends on nothing else."""
+    consts = (chunking.CPU_CHUNK_BYTES, chunking.EXTRA_BYTES, chunking.HEADROOM_BYTES, accumulate.AUTO_MIN_CHUNKS)
+    return _plan(n, x.shape[1], x.dtype, x.device.type, p.vocab_size, p.options, p.settings, tp, has_bias, need_dw,
+                 consts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(n: int, h: int, dtype: torch.dtype, device_type: str, vocab_size: int, options, settings: Settings, tp: int,
+          has_bias: bool, need_dw: bool, consts: tuple) -> int:
+    p = FLCEParams(0, vocab_size, options, settings)
+    helion = settings.logits_backend == "helion" and not K.cublas_dtype(dtype, device_type)
+    form = rowscale.applies(dtype, has_bias, p, helion, bool(options.filter_eps(dtype)))
+    extra = rowscale.row_bytes(h, dtype) if form else 0
+    v = -(-vocab_size // tp)
+    size = dtype.itemsize
+    rows = chunk_rows(n, v, size, torch.device(device_type), settings, share=tp, row_extra_bytes=extra)
+    if (need_dw and n > 0 and settings.chunk_bytes is None and settings.dw_accumulate == "auto"
+            and not options.filter_eps(dtype) and accumulate.uses_float32(dtype, -(-n // rows), settings)):
         k = accumulate.AUTO_MIN_CHUNKS - 1
         fewer = even_rows(n, k, align=-(-n // k) >= 256)
-        per_row = v * x.element_size() + extra
-        if fewer * per_row <= rows * per_row + accumulate.float32_extra_bytes(v, x.shape[1]):
+        per_row = v * size + extra
+        if fewer * per_row <= rows * per_row + accumulate.float32_extra_bytes(v, h):
             return fewer
     return rows
 

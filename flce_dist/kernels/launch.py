@@ -362,7 +362,12 @@ def cublas_logits(x: torch.Tensor) -> bool:
     ``dot_precision="ieee"`` ran 57x slower than cuBLAS on the H200 (benchmarks/NOTES.md, run 8),
     and cuBLAS follows the caller's ``torch.backends.cuda.matmul.allow_tf32`` exactly as torch does.
     (CPU float32 keeps the Helion kernel: reference mode is how CI covers it.)"""
-    return x.dtype == torch.float64 or (x.dtype == torch.float32 and x.device.type == "cuda")
+    return cublas_dtype(x.dtype, x.device.type)
+
+
+def cublas_dtype(dtype: torch.dtype, device_type: str) -> bool:
+    """:func:`cublas_logits` of inputs of ``dtype`` on a device of ``device_type``."""
+    return dtype == torch.float64 or (dtype == torch.float32 and device_type == "cuda")
 
 
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,23 +44,45 @@ _eager = torch._disable_dynamo(_apply)
 
 
 # The validated LossOptions of the keyword values seen (a frozen object, shared by the calls that pass the same
-# values): a call's options are checked once, not per call (their __post_init__ was ~45 % of the API's Python).
-# Keyed by each value's type and value (1 and True, -100 and -100.0, 0.0 and -0.0 are different keys); bounded.
+# values): a call's options are checked once, not per call (their __post_init__ was ~45 % of the API's Python),
+# and the FLCEParams built on them (whose option reads memoize on the object). Keyed by each value's type and
+# value (1 and True, -100 and -100.0, 0.0 and -0.0 are different keys: LossOptions' own == does not tell the last
+# pair apart, so it is never a key); bounded.
+_CACHE_MAX = 256
 _OPTIONS: dict[tuple, LossOptions] = {}
-_OPTIONS_MAX = 256
+_PARAMS: dict[tuple, FLCEParams] = {}
 
 
-def _options(*values) -> LossOptions:
-    key = tuple((float, v, math.copysign(1.0, v)) if type(v) is float else (type(v), v) for v in values)  # -0.0
+def _options(make: Callable[[], LossOptions]) -> tuple[LossOptions, tuple | None]:
+    """(the validated options ``make()`` builds, their cache key; None where a value is unhashable). ``make``: a
+    lambda over the API's keyword arguments; the key is the values it closes over (all of them, whatever they are)."""
+    key = tuple((float, v, math.copysign(1.0, v)) if type(v) is float else (type(v), v)
+                for v in (c.cell_contents for c in make.__closure__ or ()))
     try:
         got = _OPTIONS.get(key)
     except TypeError:  # an unhashable value: LossOptions names it
-        return LossOptions(*values)
+        return make(), None
     if got is None:
-        got = LossOptions(*values)  # raises on a bad value (nothing cached)
-        if len(_OPTIONS) >= _OPTIONS_MAX:
+        got = make()  # raises on a bad value (nothing cached)
+        if len(_OPTIONS) >= _CACHE_MAX:
             _OPTIONS.clear()
         _OPTIONS[key] = got
+    return got, key
+
+
+def _params(start: int, vocab: int, options: LossOptions, settings: Settings, stale: bool,
+            okey: tuple | None) -> FLCEParams:
+    """The call's FLCEParams: one object per (vocabulary slice, ``okey`` (the options' key of ``_options``; None:
+    made fresh), settings, stale)."""
+    if okey is None:
+        return FLCEParams(start, vocab, options, settings, stale)
+    key = (start, vocab, okey, settings, stale)
+    got = _PARAMS.get(key)
+    if got is None:
+        got = FLCEParams(start, vocab, options, settings, stale)
+        if len(_PARAMS) >= _CACHE_MAX:
+            _PARAMS.clear()
+        _PARAMS[key] = got
     return got
 
 
@@ -292,9 +315,15 @@ def fused_linear_cross_entropy(
     Memory: no ``[N, V_local]`` logits: one logits chunk (``chunking.py``), ``O(N)`` float32
     statistics, and the gradients that are formed (dW ``[V_local, H]``, dX ``[N, H]``).
     """
-    options = _options(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
-                       partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,
-                       return_entropy, check_finite, check_inputs)
+    def make() -> LossOptions:
+        return LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
+                           partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,
+                           return_entropy, check_finite, check_inputs)
+
+    compiling = torch.compiler.is_compiling()
+    # traced: built as written (a graph constant; no module-level cache inside a traced frame)
+    options, okey = (make(), None) if compiling else _options(make)
+    given = options
     settings = current() if settings is None else settings
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(settings).__name__}")
@@ -343,7 +372,6 @@ def fused_linear_cross_entropy(
     need_dx = grad_on and hidden.requires_grad
     need_dw = grad_on and (weight.requires_grad or (bias is not None and bias.requires_grad))
     needs_grad = need_dx or need_dw
-    compiling = torch.compiler.is_compiling()
     if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
         raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
                          "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)")
@@ -379,7 +407,7 @@ def fused_linear_cross_entropy(
                                                     FLCEParams.encode(start, vocab, options, settings, stale),
                                                     need_dx, need_dw, group_name)
         else:
-            params = FLCEParams(start, vocab, options, settings, stale)
+            params = _params(start, vocab, options, settings, stale, okey if options is given else None)
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
                                              params, group, loss_weights)
     if options.reduction == "none":

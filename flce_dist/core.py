@@ -19,7 +19,10 @@ all-gather (``kernels/token_loss.py``) and, in the row-scale form, each chunk's 
 entries (``kernels/row_prepare.py``), instead of chains of small torch kernels (docs/results.md,
 "Per-call small kernels"). On sm_90 the logits passes without a bias (forward-only, logits store,
 row-scale store) take their target logits from their own launch (``kernels/target_dot.py``, the
-pass's bits) instead of a compare per element inside the pass.
+pass's bits) instead of a compare per element inside the pass; such a pass reads no targets, so the
+fused strategy enqueues it first and the targets' launch after it (issue 53: from an idle GPU the host work
+before the first long kernel is the call's idle time). The mean's denominator and the row weights come after
+the first pass's statistics on every path (``_Tokens``).
 
 * ``recompute`` (any reduction; forward-only / evaluation):
     forward   lse_forward kernel (x @ W.T tile by tile, never stored; or cuBLAS token chunks +

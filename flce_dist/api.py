@@ -8,7 +8,9 @@ this signature lists them as keywords for readers and IDEs (and passes them on i
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,49 @@ def _apply(*args):
 
 
 _eager = torch._disable_dynamo(_apply)
+
+
+# The validated LossOptions of the keyword values seen (a frozen object, shared by the calls that pass the same
+# values): a call's options are checked once, not per call (their __post_init__ was ~45 % of the API's Python),
+# and the FLCEParams built on them (whose option reads memoize on the object). Keyed by each value's type and
+# value (1 and True, -100 and -100.0, 0.0 and -0.0 are different keys: LossOptions' own == does not tell the last
+# pair apart, so it is never a key); bounded.
+_CACHE_MAX = 256
+_OPTIONS: dict[tuple, LossOptions] = {}
+_PARAMS: dict[tuple, FLCEParams] = {}
+
+
+def _options(make: Callable[[], LossOptions]) -> tuple[LossOptions, tuple | None]:
+    """(the validated options ``make()`` builds, their cache key; None where a value is unhashable). ``make``: a
+    lambda over the API's keyword arguments; the key is the values it closes over (all of them, whatever they are)."""
+    key = tuple((float, v, math.copysign(1.0, v)) if type(v) is float else (type(v), v)
+                for v in (c.cell_contents for c in make.__closure__ or ()))
+    try:
+        got = _OPTIONS.get(key)
+    except TypeError:  # an unhashable value: LossOptions names it
+        return make(), None
+    if got is None:
+        got = make()  # raises on a bad value (nothing cached)
+        if len(_OPTIONS) >= _CACHE_MAX:
+            _OPTIONS.clear()
+        _OPTIONS[key] = got
+    return got, key
+
+
+def _params(start: int, vocab: int, options: LossOptions, settings: Settings, stale: bool,
+            okey: tuple | None) -> FLCEParams:
+    """The call's FLCEParams: one object per (vocabulary slice, ``okey`` (the options' key of ``_options``; None:
+    made fresh), settings, stale)."""
+    if okey is None:
+        return FLCEParams(start, vocab, options, settings, stale)
+    key = (start, vocab, okey, settings, stale)
+    got = _PARAMS.get(key)
+    if got is None:
+        got = FLCEParams(start, vocab, options, settings, stale)
+        if len(_PARAMS) >= _CACHE_MAX:
+            _PARAMS.clear()
+        _PARAMS[key] = got
+    return got
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -99,6 +144,16 @@ def _check_loss_weights(w: object, target: torch.Tensor, hidden: torch.Tensor, d
         raise ValueError("loss_weights require a gradient, but no gradient flows to them (they are constants of the "
                          "loss): pass loss_weights.detach()")
     return w.reshape(-1).contiguous()
+
+
+def _check_target_range(t: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """CPU targets only (a host sync, free there): ``ValueError`` for a target outside ``[0, vocab)`` that is not
+    ``ignore_index`` (on the GPU such a target poisons its loss with NaN instead, and with a group the guard
+    raises on every rank)."""
+    bad = (t != ignore_index) & ((t < 0) | (t >= vocab))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not ignore_index ({ignore_index})")
 
 
 def _autocast_device(hidden: torch.Tensor) -> torch.dtype | None:
@@ -260,9 +315,15 @@ def fused_linear_cross_entropy(
     Memory: no ``[N, V_local]`` logits: one logits chunk (``chunking.py``), ``O(N)`` float32
     statistics, and the gradients that are formed (dW ``[V_local, H]``, dX ``[N, H]``).
     """
-    options = LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
-                          partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,
-                          return_entropy, check_finite, check_inputs)
+    def make() -> LossOptions:
+        return LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
+                           partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,
+                           return_entropy, check_finite, check_inputs)
+
+    compiling = torch.compiler.is_compiling()
+    # traced: built as written (a graph constant; no module-level cache inside a traced frame)
+    options, okey = (make(), None) if compiling else _options(make)
+    given = options
     settings = current() if settings is None else settings
     if not isinstance(settings, Settings):
         raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(settings).__name__}")
@@ -311,7 +372,6 @@ def fused_linear_cross_entropy(
     need_dx = grad_on and hidden.requires_grad
     need_dw = grad_on and (weight.requires_grad or (bias is not None and bias.requires_grad))
     needs_grad = need_dx or need_dw
-    compiling = torch.compiler.is_compiling()
     if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
         raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
                          "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)")
@@ -333,11 +393,7 @@ def fused_linear_cross_entropy(
                                                            fields, vocab_size)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
-        bad = (t != options.ignore_index) & ((t < 0) | (t >= vocab))
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"target[{i}] = {int(t[i])} is outside [0, {vocab}) and is not ignore_index "
-                             f"({options.ignore_index})")
+        _check_target_range(t, vocab, options.ignore_index)
     num_items = _num_items(num_items_in_batch, hidden.device)
     if not torch.is_grad_enabled():
         options = options.replace(strategy="recompute")  # evaluation: statistics only, one matmul
@@ -351,7 +407,7 @@ def fused_linear_cross_entropy(
                                                     FLCEParams.encode(start, vocab, options, settings, stale),
                                                     need_dx, need_dw, group_name)
         else:
-            params = FLCEParams(start, vocab, options, settings, stale)
+            params = _params(start, vocab, options, settings, stale, okey if options is given else None)
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
                                              params, group, loss_weights)
     if options.reduction == "none":

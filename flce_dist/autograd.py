@@ -48,7 +48,8 @@ class FLCEFunction(torch.autograd.Function):
         # and buffer, a hidden without a gradient the dX matmul and its all-reduce
         ctx.need_dx, ctx.need_dw = bool(need[0]), bool(need[1] or need[2])
         loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all, ctx.tw) = flce_forward(
-            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw, loss_weights)
+            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw, loss_weights,
+            copy_lse=p.return_lse)  # the API returns lse only with return_lse: no copy of the saved one otherwise
         if needs_grad:
             # inputs cost nothing to keep (x is this rank's hidden, also under sequence parallelism);
             # they let a second backward (retain_graph, gradcheck) of the fused strategy recompute,

@@ -19,7 +19,10 @@ all-gather (``kernels/token_loss.py``) and, in the row-scale form, each chunk's 
 entries (``kernels/row_prepare.py``), instead of chains of small torch kernels (docs/results.md,
 "Per-call small kernels"). On sm_90 the logits passes without a bias (forward-only, logits store,
 row-scale store) take their target logits from their own launch (``kernels/target_dot.py``, the
-pass's bits) instead of a compare per element inside the pass.
+pass's bits) instead of a compare per element inside the pass; such a pass reads no targets, so the
+fused strategy enqueues it first and the targets' launch after it (issue 53: from an idle GPU the host work
+before the first long kernel is the call's idle time). The mean's denominator and the row weights come after
+the first pass's statistics on every path (``_Tokens``).
 
 * ``recompute`` (any reduction; forward-only / evaluation):
     forward   lse_forward kernel (x @ W.T tile by tile, never stored; or cuBLAS token chunks +
@@ -62,6 +65,8 @@ all-reduce / reduce-scatter of dX; ``deterministic=True`` replaces them (see ``c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -71,7 +76,7 @@ from .distributed import (all_gather_rows, all_reduce_async, all_reduce_determin
 from .distributed.guard import call_guard, raise_if_failed, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
-from . import accumulate, rowscale
+from . import accumulate, chunking, rowscale
 from .options import FLCEParams
 from .settings import Settings
 from .vocab_order import VocabOrder
@@ -89,6 +94,11 @@ def row_weights(valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | No
     """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows
     (``denom``: the mean's denominator, if already computed); with ``loss_weights`` [N] each row's
     weight w_n instead of 1 (and the mean's denominator sum_n w_n, see :func:`weighted_denominator`)."""
+    if p.reduction == "mean" and loss_weights is None:
+        if denom is None:
+            denom = mean_denominator(valid, num_items, dtype)
+        if denom.dtype == dtype:  # valid / denom: one kernel (bool -> dtype in the division, the same bits)
+            return torch.div(valid, denom)
     w = valid.to(dtype) if loss_weights is None else token_weights(valid, loss_weights, dtype)
     if p.reduction == "mean":
         if denom is None:
@@ -141,6 +151,48 @@ def can_raise(x: torch.Tensor, p: FLCEParams) -> bool:
     """Whether a failed guard raises (a host sync: free on CPU tensors, already paid with
     ``check_finite``) rather than only poisoning the loss with NaN (CUDA)."""
     return x.device.type == "cpu" or p.check_finite
+
+
+class _Tokens:
+    """The call's per-token work around the logits pass, each part formed once on first use:
+    :meth:`targets` (shard-local ids and masks, ``kernels/targets.py``, into buffers made up front) and
+    :meth:`weights` (the token weights, the mean's denominator and, for the fused strategy, the row
+    weights). The fused strategy forms the targets after its first logits pass is enqueued where that
+    pass does not read them (sm_90 without a bias: ``launch.lse_forward``'s ``prepare``) and the weights
+    after that pass's statistics in every case: from an idle GPU their launches then overlap the pass
+    instead of delaying it (issue 53). Same values, same collectives in the same order (``lw``, this
+    call's token weights, are all-gathered by the caller before)."""
+
+    def __init__(self, tgt: torch.Tensor, lw: torch.Tensor | None, p: FLCEParams, v_local: int,
+                 num_items: torch.Tensor | None, acc: torch.dtype) -> None:
+        n, dev = tgt.shape[0], tgt.device
+        self.tgt, self.lw, self.p, self.v_local, self.num_items, self.acc = tgt, lw, p, v_local, num_items, acc
+        self.tl = torch.empty(n, dtype=torch.int32, device=dev)
+        self.valid = torch.empty(n, dtype=torch.bool, device=dev)
+        self.bad = torch.empty(n, dtype=torch.bool, device=dev)
+        self.tw = self.denom = self.g = None
+        self.formed = self.weighed = False
+
+    def targets(self) -> None:
+        if not self.formed:
+            p = self.p
+            K.target_rows(self.tgt, p.vocab_start, self.v_local, p.vocab_size, p.ignore_index, p.settings,
+                          out=(self.tl, self.valid, self.bad))
+            self.formed = True
+
+    def weights(self, fused: bool = True) -> torch.Tensor | None:
+        """The row weights ``g`` (fused: formed once; else None), after the token weights and the denominator."""
+        self.targets()
+        if not self.weighed:
+            if self.lw is not None:
+                self.tw = token_weights(self.valid, self.lw, self.acc)
+            if self.p.reduction == "mean":
+                self.denom = (mean_denominator(self.valid, self.num_items, self.acc) if self.tw is None
+                              else weighted_denominator(self.tw, self.num_items, self.acc))
+            self.weighed = True
+        if fused and self.g is None:
+            self.g = row_weights(self.valid, self.p, self.num_items, self.acc, self.denom, self.tw)
+        return self.g
 
 
 class _Guard:
@@ -223,16 +275,30 @@ def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bo
     V = 262208, bf16, TP=1, CUDA budget) at N = 8192: 5 chunks of 1664 rows (0.83 GiB) + 1.13 GiB of
     float32 half, or 4 of 2048 rows (1.03 GiB): 4. llama3 takes 4 up to N ~ 27k and keeps the float32
     plan beyond (4 chunks would outgrow it). Not with an explicit ``chunk_bytes`` (the chunk is then
-    the caller's choice), the gradient filter (its dW never accumulates in float32) or without dW."""
-    extra = rowscale.row_bytes(x.shape[1], x.dtype) if _row_scale_form(x, has_bias, p) else 0
-    v = -(-p.vocab_size // tp)
-    rows = chunk_rows(n, v, x.element_size(), x.device, p.settings, share=tp, row_extra_bytes=extra)
-    if (need_dw and n > 0 and p.settings.chunk_bytes is None and p.settings.dw_accumulate == "auto"
-            and not p.options.filter_eps(x.dtype) and accumulate.uses_float32(x.dtype, -(-n // rows), p.settings)):
+    the caller's choice), the gradient filter (its dW never accumulates in float32) or without dW.
+    Cached per (shape, dtype, device type, options, settings, group size, bias, dW and the budget's module
+    constants): the plan depends on nothing else."""
+    consts = (chunking.CPU_CHUNK_BYTES, chunking.EXTRA_BYTES, chunking.HEADROOM_BYTES, accumulate.AUTO_MIN_CHUNKS)
+    return _plan(n, x.shape[1], x.dtype, x.device.type, p.vocab_size, p.options, p.settings, tp, has_bias, need_dw,
+                 consts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(n: int, h: int, dtype: torch.dtype, device_type: str, vocab_size: int, options, settings: Settings, tp: int,
+          has_bias: bool, need_dw: bool, consts: tuple) -> int:
+    p = FLCEParams(0, vocab_size, options, settings)
+    helion = settings.logits_backend == "helion" and not K.cublas_dtype(dtype, device_type)
+    form = rowscale.applies(dtype, has_bias, p, helion, bool(options.filter_eps(dtype)))
+    extra = rowscale.row_bytes(h, dtype) if form else 0
+    v = -(-vocab_size // tp)
+    size = dtype.itemsize
+    rows = chunk_rows(n, v, size, torch.device(device_type), settings, share=tp, row_extra_bytes=extra)
+    if (need_dw and n > 0 and settings.chunk_bytes is None and settings.dw_accumulate == "auto"
+            and not options.filter_eps(dtype) and accumulate.uses_float32(dtype, -(-n // rows), settings)):
         k = accumulate.AUTO_MIN_CHUNKS - 1
         fewer = even_rows(n, k, align=-(-n // k) >= 256)
-        per_row = v * x.element_size() + extra
-        if fewer * per_row <= rows * per_row + accumulate.float32_extra_bytes(v, x.shape[1]):
+        per_row = v * size + extra
+        if fewer * per_row <= rows * per_row + accumulate.float32_extra_bytes(v, h):
             return fewer
     return rows
 
@@ -245,17 +311,22 @@ def _gathered(order: VocabOrder, w: torch.Tensor, p: FLCEParams, group: dist.Pro
 
 
 def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                           g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, rows: int, guard: _Guard,
-                           need_dx: bool = True, need_dw: bool = True):
+                           g: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, rows: int,
+                           guard: _Guard, need_dx: bool = True, need_dw: bool = True, tokens: _Tokens | None = None):
     """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded). ``need_dx`` False (a
     hidden that needs no gradient): no dX matmul and no dX all-reduce, dX is None; ``need_dw`` False
     (a frozen lm_head: LoRA / PEFT): no dW matmul and no dW buffer, dW and db are None;
-    ``p.partial_dx``: dX is this rank's partial ``dz_r @ W_r`` (no all-reduce; the caller sums it)."""
+    ``p.partial_dx``: dX is this rank's partial ``dz_r @ W_r`` (no all-reduce; the caller sums it).
+    ``tokens`` (``flce_forward``): ``tl`` is its buffer and ``g`` None, formed here (:class:`_Tokens`)
+    where the first chunk's logits pass is enqueued. One chunk (``rows >= N``): its statistics are the
+    call's (no copy)."""
     reduce_dx = not p.partial_dx
     n, _ = x.shape
     v = w.shape[0]
     eps = p.options.filter_eps(x.dtype)
+    if tokens is not None and eps:  # the filter's order needs the row weights before the pass
+        g = tokens.weights()
     order = perm = None
     if eps and n:  # the gradient filter works on the shard sorted by mean logit (vocab_order.py)
         order = VocabOrder.by_mean_logit(x, w, b, g.abs())
@@ -264,7 +335,8 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         else:
             w = order.rows(w)
         b, tl = order.rows(b), order.targets(tl)
-    stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
+    single = 0 < n <= rows
+    stats = None if single else torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
     dx = torch.empty_like(x) if need_dx else None
     # a 16-bit dW over several token chunks accumulates in float32 (accumulate.py); the filter's
     # block-sparse dW kernel accumulates in the weight's dtype
@@ -285,22 +357,37 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
     for i in range(0, n, rows):
-        xc, tc, gc = x[i:i + rows], tl[i:i + rows], g[i:i + rows]
+        xc, tc = x[i:i + rows], tl[i:i + rows]
+        # the first chunk's targets: formed by the logits pass's launch (lse_forward's prepare) or right here
+        pre = tokens.targets if tokens is not None and i == 0 else None
         z = zbuf[: xc.shape[0]]
         dxc = dx[i:i + rows] if need_dx else None
         xw = xc  # the dW matmul's x operand (the row-scale form's: c x)
         if rs:  # the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
             rc = ref[i:i + rows]
-            local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc)
+            local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc,
+                                  prepare=pre)
         elif perm is not None:  # the filter's sorted logits, block by block of gathered rows of W
             local = K.lse_forward_gathered(xc, w, b, perm, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z, grows)
         elif helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
-            local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z)
+            local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, prepare=pre)
         else:  # cuBLAS logits, then one read of them for the statistics
             K.logits(xc, w, b, out=z)
+            if pre is not None:
+                pre()
             local = K.chunk_stats(z, tc, p.logit_scale, p.cap, p.needs_sum, p.settings)
+        if tokens is not None:
+            tokens.targets()  # (formed already: the guard's words read the bad-target mask)
         st = guard.combine(local)
-        stats[i:i + rows] = st
+        if g is None:  # the row weights, after the first pass (their launches overlap it)
+            g = tokens.weights()
+        gc = g[i:i + rows]
+        if single and st.dtype == acc_dtype(x.dtype) and st.is_contiguous():
+            stats = st
+        else:
+            if stats is None:
+                stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
+            stats[i:i + rows] = st
         lse = st[:, 0].contiguous()
         keep = None
         if rs:
@@ -440,7 +527,8 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
 
 def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                  num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool,
-                 need_dx: bool = True, need_dw: bool = True, loss_weights: torch.Tensor | None = None):
+                 need_dx: bool = True, need_dw: bool = True, loss_weights: torch.Tensor | None = None,
+                 copy_lse: bool = True):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
@@ -459,33 +547,33 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     more all-gather of N values): per-token weights w. ``"sum"`` / ``"mean"`` reduce ``w_n loss_n``
     (the mean over ``sum_n w_n`` or ``num_items``); ``"none"`` returns the unweighted per-token
     losses and takes the fused strategy with row weights w: its backward (:func:`scale_weighted`)
-    checks that the arriving gradient is ``c * w``."""
+    checks that the arriving gradient is ``c * w``. ``copy_lse`` False (the caller drops the returned
+    lse): the returned lse is the saved one itself, not a copy."""
     sp = p.sequence_parallel and group_size(group) > 1
     x = all_gather_rows(hidden, group) if sp else hidden
     tgt = all_gather_rows(target, group) if sp else target
     n_in = hidden.shape[0]
-    # shard-local ids, the valid mask and the bad-target mask in one launch (kernels/targets.py)
-    tl, valid, bad = K.target_rows(tgt, p.vocab_start, weight.shape[0], p.vocab_size, p.ignore_index, p.settings)
-    tw = None  # the token weights of all rows, 0 on ignored ones
-    if loss_weights is not None:
-        tw = token_weights(valid, all_gather_rows(loss_weights, group) if sp else loss_weights, acc_dtype(x.dtype))
-    denom = None
-    if p.reduction == "mean":
-        denom = (mean_denominator(valid, num_items, acc_dtype(x.dtype)) if tw is None
-                 else weighted_denominator(tw, num_items, acc_dtype(x.dtype)))
+    acc = acc_dtype(x.dtype)
+    lw = None if loss_weights is None else (all_gather_rows(loss_weights, group) if sp else loss_weights)
+    # shard-local ids, the valid and bad-target masks (one launch, kernels/targets.py), the token weights, the
+    # mean's denominator and the row weights: formed where the fused pass needs them (_Tokens), else here
+    tokens = _Tokens(tgt, lw, p, weight.shape[0], num_items, acc)
     pre = None
-    fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy, tw is not None)
+    fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy, lw is not None)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None, need_dw) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
-    guard = _Guard(x, tgt, bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, tw is not None))
+    guard = _Guard(x, tgt, tokens.bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, lw is not None))
     if fused:
-        g = row_weights(valid, p, num_items, acc_dtype(x.dtype), denom, tw)
-        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tl, g, p, group, rows, guard, need_dx, need_dw)
+        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tokens.tl, None, p, group, rows, guard, need_dx,
+                                                   need_dw, tokens=tokens)
         if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
     else:
-        stats = forward_stats(x, weight, bias, tl, p, guard)
+        tokens.targets()
+        stats = forward_stats(x, weight, bias, tokens.tl, p, guard)
+    tokens.weights(fused=False)
+    tl, valid, bad, tw, denom = tokens.tl, tokens.valid, tokens.bad, tokens.tw, tokens.denom
     # Per-token loss, accuracy (the target's logit is the row max over all shards; ties count) and
     # lse in one launch (kernels/token_loss.py). A target outside [0, V) that is not ignore_index
     # poisons its loss with NaN (no device assert, no host sync; the API raises instead where the
@@ -500,7 +588,8 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         loss = loss_rows[rank_slice].to(acc_dtype(hidden.dtype))
     else:
         loss = reduce_loss(loss_rows if tw is None else loss_rows * tw, valid, p, num_items, denom)
-    lse = lse_all[rank_slice].clone()  # the returned lse: not the tensor the backward saves
+    # the returned lse: not the tensor the backward saves (none where the caller drops it: ``copy_lse`` False)
+    lse = lse_all[rank_slice].clone() if copy_lse or sp else lse_all
     correct = correct_all[rank_slice]
     ent_all = ent = None
     if p.return_entropy:
@@ -521,8 +610,9 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
     if scaled and inplace:
         # one scale_ launch per gradient, not torch._foreach_mul_ or a mul_ by a 0-d CUDA tensor
         # (both slower, even when grad_output is 1: docs/results.md, "Per-call small kernels")
+        rounded: dict = {}  # grad_output rounded to each gradient's dtype (scale_'s operand): once per dtype
         for t in scaled:
-            K.scale_(t, go, settings)
+            K.scale_(t, go, settings, rounded)
     elif scaled:
         dx, dw = (None if t is None else t * go.to(t.dtype) for t in (dx, dw))
     db = (db * go).to(w_dtype) if db is not None else None

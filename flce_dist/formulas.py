@@ -23,5 +23,8 @@ def transform(z: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
 
 
 def mean_denominator(valid: torch.Tensor, num_items: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if num_items is None and valid.dtype == torch.bool and valid.numel() < 2**24:
+        # the count summed in ``dtype``: exact below 2**24 (float32's integers), the same bits, one kernel less
+        return valid.sum(dtype=dtype).clamp_(min=1)
     denom = num_items if num_items is not None else valid.sum()
     return torch.as_tensor(denom, device=valid.device).to(dtype).clamp(min=1)

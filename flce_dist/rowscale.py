@@ -66,14 +66,18 @@ def applies(dtype: torch.dtype, has_bias: bool, p: FLCEParams, helion_logits: bo
 def row_bytes(h: int, dtype: torch.dtype) -> int:
     """The form's memory per chunk row beside the chunk: the float32 ``E' @ W`` row and the ``c x``
     row (``chunking.chunk_rows``' ``row_extra_bytes``; the references add [N] float32 per call)."""
-    return h * (4 + torch.empty((), dtype=dtype).element_size())
+    return h * (4 + dtype.itemsize)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
     """r [N] float32: each row's max transformed logit over every ``ceil(V / SAMPLE)``-th shard row
     (at most ``SAMPLE`` rows, all of them on a small shard: then r is the exact max)."""
     step = max(1, -(-w.shape[0] // SAMPLE))
-    return (torch.mm(x, w[::step].T).to(torch.float32) * scale).amax(1)
+    # the row max before the float32 cast and the scale: both are monotone (the cast exact, the scale > 0 and
+    # rounded monotonically), so max(round(s z)) = round(s max(z)), NaN rows NaN either way: the same bits
+    # as (mm.float() * s).amax(1) in 2 (scale 1) or 3 small kernels instead of 3, over [N] instead of [N, 256]
+    r = torch.mm(x, w[::step].T).amax(1).to(torch.float32)
+    return r if scale == 1.0 else r.mul_(scale)
 
 
 def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Tensor, tl: torch.Tensor,
@@ -91,7 +95,7 @@ def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Te
         return prepare_reference(e, local, st, r, tl, g, p)
     c, gate = launch.row_prepare(e, local, st, r, tl, g, p.logit_scale, 2.0 * p.z_loss, MAX_SPREAD, MIN_C, MAX_TARGET,
                                  p.settings)
-    return torch.where(gate != 0, torch.ones_like(c), c), gate
+    return c.masked_fill_(gate != 0, 1.0), gate  # c = 1 where the gate is open (in place: no ones_like, no where)
 
 
 def prepare_reference(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Tensor, tl: torch.Tensor,

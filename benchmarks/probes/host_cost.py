@@ -3,6 +3,7 @@
     python benchmarks/probes/host_cost.py [--ns 1024,2048,4096] [--shape llama3] [--reps 30] [--out DIR]
     python benchmarks/probes/host_cost.py --trace [--n 1024 --h 128 --v 4096]   # the per-phase op list (CPU or CUDA)
     python benchmarks/probes/host_cost.py --smoke [--out DIR]                    # CPU reference mode, tiny, seconds
+    python benchmarks/probes/host_cost.py --counts                               # GPU-equivalent op counts (CPU, seconds)
 
 Per N (default the llama3 head H=4096, V=128256, bf16, random data), in one process:
 
@@ -27,6 +28,15 @@ same phase wrappers: every Helion launch (``[name]``) and every aten op outside 
 grouped by phase and classed ``kernel`` (a CUDA kernel on the GPU), ``cuBLAS``, ``alloc`` (no kernel),
 ``view`` (no kernel) or ``SYNC`` (``_local_scalar_dense``: a host sync). The op list of
 ``benchmarks/probes/HOST_COST.md`` comes from it.
+
+``--counts`` (CPU reference mode, seconds; ``op_counts`` / ``call_counts``, which the tests lock): per fwd+bwd, what it
+would launch on the GPU, split into the **prologue** (everything before the first ``lse_forward`` launch: GPU idle
+time from an idle GPU) and the total: Helion launches (H), torch kernels (k) and cuBLAS matmuls (c); allocations and
+views launch nothing and are not counted. To count what the GPU runs, the trace forces two vocabulary tiles in the
+logits pass (so the merge is its Helion launch, not reference mode's torch path of a one-tile pass) and leaves out
+the API's CPU-only target range check; ``sm90`` emulates sm_90's split target logits (``launch.split_targets``:
+``kernels/target_dot.py`` after the pass). Shapes: N=1024 (one chunk: llama3 up to N=3581 on the GPU) and N=2048 in
+2 chunks (``chunk_bytes``), H=128, V=4096, bf16.
 
 Prints a table last; writes ``host_cost[_smoke].csv``, ``host_cost_phases[_smoke].csv`` (and with a trace
 ``host_cost_trace[_smoke].csv``) to ``--out`` (and, on CUDA without ``--smoke``, to ``benchmarks/results/``).
@@ -67,7 +77,9 @@ LAUNCH = "helion launch"
 # attribute), so replacing it on its owner reaches every call. Top-level frames the probe opens itself:
 # "api" (fused_linear_cross_entropy: validation, shard resolution, params, the output reshape) and
 # "backward engine" (loss.backward(): autograd's own work around FLCEFunction.backward).
+CPU_ONLY = "target check (CPU only)"
 PHASE_HOOKS: list[tuple[Any, str, str]] = [
+    (api, "_check_target_range", CPU_ONLY),
     (api, "_eager", "autograd apply"),
     (autograd, "flce_forward", "forward core"),
     (launch, "target_rows", "targets"),
@@ -93,7 +105,7 @@ VIEWS = {"view", "_unsafe_view", "alias", "detach", "lift_fresh", "t", "slice", 
          "expand", "unsqueeze", "squeeze", "reshape", "permute", "unbind", "split", "narrow", "_reshape_alias",
          "diagonal", "view_as", "split_with_sizes"}
 ALLOCS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
-MATMULS = {"mm", "addmm", "bmm", "matmul", "_scaled_mm", "baddbmm"}
+MATMULS = {"mm", "addmm", "addmm_", "bmm", "matmul", "_scaled_mm", "baddbmm"}
 KERNEL_CLASSES = [("cuBLAS", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|cublas", re.I)),
                   ("Helion", re.compile(r"^_helion_")),
                   ("memset/memcpy", re.compile(r"^Mem(set|cpy)", re.I))]
@@ -263,6 +275,66 @@ def print_trace(log: list[tuple[str, str, str]], title: str) -> dict[str, collec
     return kinds
 
 
+def op_counts(log: list[tuple[str, str, str]]) -> dict[str, int]:
+    """GPU-equivalent counts of one fwd+bwd's trace: ``pro_*`` before the first ``[lse_forward]`` launch (the
+    prologue), ``all_*`` in all; ``*_H`` Helion launches, ``*_k`` torch kernels, ``*_c`` cuBLAS, ``*_ops`` their sum.
+    The CPU-only target check (``CPU_ONLY``) is left out; allocations, views and syncs launch no kernel."""
+    key = {"Helion": "H", "kernel": "k", "cuBLAS": "c"}
+    c = dict.fromkeys([f"{w}_{k}" for w in ("pro", "all") for k in ("H", "k", "c", "ops")], 0)
+    pro = True
+    for phase, item, kind in log:
+        if phase == CPU_ONLY or kind not in key:
+            continue
+        if pro and item == "[lse_forward]":
+            pro = False
+        for w in (("pro", "all") if pro else ("all",)):
+            c[f"{w}_{key[kind]}"] += 1
+            c[f"{w}_ops"] += 1
+    return c
+
+
+COUNT_SHAPES = {"1chunk": (1024, 1024), "2chunks": (2048, 1024)}  # name: (N, rows per chunk)
+
+
+def call_counts(n: int = 1024, h: int = 128, v: int = 4096, rows: int | None = None, sm90: bool = False,
+                log: bool = False) -> dict[str, Any]:
+    """``op_counts`` of one warm default fwd+bwd (bf16, CPU reference mode) at ``n`` tokens, in chunks of ``rows``
+    (``Settings(chunk_bytes=...)``; None: the default plan), with the logits pass in two vocabulary tiles (so its
+    merge is one Helion launch, as on the GPU); ``sm90``: sm_90's split target logits. ``log``: also the trace."""
+    from flce_dist import settings
+
+    flce_dist.setup_reference_mode()
+    x, w, t = make_inputs(n, h, v, torch.device("cpu"))
+    over = dict(blocks={"lse_forward": {"block_v": max(2, v // 2)}})
+    if rows is not None:
+        over["chunk_bytes"] = rows * v * x.element_size()
+    saved = launch.split_targets
+    if sm90:
+        launch.split_targets = lambda device: True
+    try:
+        with settings.override(**over):
+            got = trace(Phases(), x, w, t)
+    finally:
+        launch.split_targets = saved
+    out: dict[str, Any] = dict(op_counts(got))
+    if log:
+        out["log"] = got
+    return out
+
+
+def print_counts() -> list[dict]:
+    rows = []
+    for name, (n, r) in COUNT_SHAPES.items():
+        for sm90 in (False, True):
+            c = call_counts(n, rows=r, sm90=sm90)
+            rows.append(dict(shape=name, N=n, sm90=sm90, **c))
+    print("=== GPU-equivalent ops per fwd+bwd (H Helion, k torch kernels, c cuBLAS; prologue = before lse_forward)")
+    common.print_table(rows, [("shape", "shape", "8s"), ("N", "N", "6d"), ("sm90", "sm90", "5d")]
+                       + [(k, k, "6d") for k in ("pro_ops", "pro_H", "pro_k", "pro_c", "all_ops", "all_H", "all_k",
+                                                  "all_c")])
+    return rows
+
+
 def cuda_kernels(step: Callable[[], None]) -> collections.Counter:
     """{name: count} of the CUDA kernels (and memsets / memcpys) of one ``step``."""
     from torch.profiler import ProfilerActivity, profile
@@ -425,6 +497,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=1024)
     ap.add_argument("--h", type=int, default=128)
     ap.add_argument("--v", type=int, default=4096)
+    ap.add_argument("--counts", action="store_true", help="GPU-equivalent op counts per fwd+bwd (CPU, seconds)")
     ap.add_argument("--smoke", action="store_true", help="CPU reference mode, N=64,128, H=32, V=512, 2 reps, and a trace")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -447,6 +520,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.counts:
+        return print_counts()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if dev.type == "cpu":
         flce_dist.setup_reference_mode()

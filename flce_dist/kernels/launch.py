@@ -34,10 +34,11 @@ needs Helion's reference mode (``flce_dist.setup_reference_mode()``).
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,6 +111,36 @@ def arch_of(device: torch.device) -> str:
         return "cpu"
     major, minor = torch.cuda.get_device_capability(device)
     return {(9, 0): "h200"}.get((major, minor), f"sm{major}{minor}")
+
+
+_SPLIT: dict[torch.device, bool] = {}
+
+
+def split_targets(device: torch.device) -> bool:
+    """Whether a logits pass without a bias leaves its target logits to ``kernels/target_dot.py`` (sm_90):
+    then the pass does not read the targets (the probes and tests emulate it on the CPU by replacing this).
+    Cached per device (a capability query per call otherwise)."""
+    got = _SPLIT.get(device)
+    if got is None:
+        got = _SPLIT[device] = arch_of(device) == "h200"
+    return got
+
+
+# Per-device dummies for the arguments a launch does not read (an absent bias, logits output, reference or
+# index: constexpr flags keep the kernels from touching them): made once per (role, device, dtype), not per
+# call (two small fill kernels per logits pass). One object per role: no tensor object twice in one launch.
+_DUMMIES: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _dummy(role: str, like: torch.Tensor, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    if type(like) not in (torch.Tensor, torch.nn.Parameter):  # a tensor subclass or mode (e.g. fake): made fresh
+        return like.new_zeros(shape, dtype=dtype)
+    key = (role, like.device, dtype, shape)
+    t = _DUMMIES.get(key)
+    if t is None:
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor whatever mode the first call ran in
+            t = _DUMMIES[key] = torch.zeros(shape, dtype=dtype, device=like.device)
+    return t
 
 
 def helion_series() -> str | None:
@@ -280,11 +311,13 @@ def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch
     """Bind and run kernel ``name`` with its shipped entry (through the launch cache above). No tensor
     object may appear twice in ``args``: Helion 1.4 compiles aliased arguments into one parameter and its
     bind cache does not tell such a call from one with distinct tensors (a later call would read one
-    argument through the other's pointer; benchmarks/NOTES.md, run 19). Views are distinct objects."""
+    argument through the other's pointer; benchmarks/NOTES.md, run 19). Views are distinct objects.
+    ``_RAN.last`` receives the kernel's name and the block sizes it ran (``BLOCK_ORDER``)."""
     tensors = [id(a) for a in args if isinstance(a, torch.Tensor)]
     if len(set(tensors)) != len(tensors):
         raise AssertionError(f"kernels/launch.py: {name} was passed the same tensor object twice")
     full, bound, first = _bind(name, args, device, dtype, settings, variant, h, blocks)
+    _RAN.last = (name, full[len(args):])
     if device.type == "cuda":
         _triton_allocator()
     if first:
@@ -292,6 +325,9 @@ def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch
             warnings.filterwarnings("ignore", message="max_num_sm_multipler is reduced", category=UserWarning)
             return bound(*full)
     return bound(*full)
+
+
+_RAN = threading.local()  # .last: (kernel, block sizes) of this thread's last launch (target_dot takes the pass's)
 
 
 def _triton_allocator() -> None:
@@ -326,19 +362,34 @@ def cublas_logits(x: torch.Tensor) -> bool:
     ``dot_precision="ieee"`` ran 57x slower than cuBLAS on the H200 (benchmarks/NOTES.md, run 8),
     and cuBLAS follows the caller's ``torch.backends.cuda.matmul.allow_tf32`` exactly as torch does.
     (CPU float32 keeps the Helion kernel: reference mode is how CI covers it.)"""
-    return x.dtype == torch.float64 or (x.dtype == torch.float32 and x.device.type == "cuda")
+    return cublas_dtype(x.dtype, x.device.type)
+
+
+def cublas_dtype(dtype: torch.dtype, device_type: str) -> bool:
+    """:func:`cublas_logits` of inputs of ``dtype`` on a device of ``device_type``."""
+    return dtype == torch.float64 or (dtype == torch.float32 and device_type == "cuda")
 
 
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, settings: Settings,
                 z_out: torch.Tensor | None = None, with_ent: bool = False,
-                exp_ref: torch.Tensor | None = None, w_perm: torch.Tensor | None = None) -> torch.Tensor:
+                exp_ref: torch.Tensor | None = None, w_perm: torch.Tensor | None = None,
+                prepare: Callable[[], Any] | None = None) -> torch.Tensor:
     """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
     (float64 for float64), ``[N, 5]`` with ``with_ent`` (plus the shard's softmax entropy); the logits
     are written to ``z_out`` [N, V] when given (the fused strategy), else never stored. With
     ``exp_ref`` [N] (float32) ``z_out`` receives ``exp(y - exp_ref)`` instead of the logits (the
     row-scale gradient, ``rowscale.py``). With ``w_perm`` [V] (int32) the pass runs on the rows
-    ``w[w_perm]``, read through the index (no copy; ``bias`` and ``target_local`` in that order)."""
+    ``w[w_perm]``, read through the index (no copy; ``bias`` and ``target_local`` in that order).
+    ``prepare`` (the fused strategy's first chunk): a callable that writes ``target_local`` (its values may
+    not be there yet), called before the first launch that reads them: after the logits pass itself where
+    that pass leaves its target logits to ``target_dot`` (sm_90 without a bias: the pass goes first, its
+    targets' host work then overlaps it on an idle GPU), else first."""
+    if prepare is not None and not (bias is None and split_targets(x.device) and w_perm is None
+                                    and not (degenerate(*x.shape, w.shape[0]) or cublas_logits(x)
+                                             or settings.logits_backend == "cublas")):
+        prepare()
+        prepare = None
     if w_perm is not None and (degenerate(*x.shape, w_perm.numel()) or cublas_logits(x)
                                or settings.logits_backend == "cublas"):
         w, w_perm = w.index_select(0, w_perm), None  # the torch paths take a copy (lse_forward_gathered: by blocks)
@@ -360,21 +411,28 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
         if rows >= n:
             return stats(x, target_local, z_out)
         return torch.cat([stats(x[i:i + rows], target_local[i:i + rows], None) for i in range(0, n, rows)])
-    b = bias if bias is not None else w.new_zeros(1)
-    zo = z_out if z_out is not None else x.new_empty(1, 1)
-    ref = exp_ref if exp_ref is not None else x.new_zeros(1, dtype=torch.float32)
+    b = bias if bias is not None else _dummy("bias", w, w.dtype, 1)
+    zo = z_out if z_out is not None else _dummy("z", x, x.dtype, 1, 1)
+    ref = exp_ref if exp_ref is not None else _dummy("ref", x, torch.float32, 1)
     # on sm_90 a pass without a bias leaves its target logits to kernels/target_dot.py (the same bits,
     # without a compare per element); elsewhere (other GPUs, reference mode) the pass finds them itself
-    nt = bias is None and arch_of(x.device) == "h200"
+    nt = bias is None and split_targets(x.device)
     # the pass that reads W through an index has its own entry (pointer loads for W, not TMA), else "store"'s
     variant = ("store_gather" if w_perm is not None else "store") if z_out is not None else ""
-    perm = w_perm.to(torch.int32) if w_perm is not None else target_local.new_zeros(1, dtype=torch.int32)
+    perm = w_perm.to(torch.int32) if w_perm is not None else _dummy("perm", target_local, torch.int32, 1)
+    _RAN.last = None
     parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, perm, float(scale), float(softcap),
                                     bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt,
                                     w_perm is not None),
                     x.device, x.dtype, settings, variant, x.shape[1])
+    ran = getattr(_RAN, "last", None)
+    tail = ran[1] if ran is not None and ran[0] == "lse_forward" else None
+    if prepare is not None:  # the pass does not read the targets (nt): their host work now overlaps it
+        prepare()
     if nt:
-        block_h = entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"]
+        # the pass's own block_h (the bits depend on it): from its launch, without a second entry lookup
+        block_h = (tail[BLOCK_ORDER["lse_forward"].index("block_h")] if tail is not None else
+                   entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"])
         rows = target_local  # target_dot gathers the targets' rows of w: in w's own order
         if w_perm is not None:
             rows = torch.where(target_local >= 0, perm[target_local.clamp(min=0).long()], target_local)
@@ -522,18 +580,27 @@ def row_prepare(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch
 
 
 def target_rows(target: torch.Tensor, vocab_start: int, v_local: int, vocab_size: int, ignore_index: int,
-                settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                settings: Settings, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tl, valid, bad)`` for int64 ``target`` [N] (kernels/targets.py): shard-local ids (int32,
     -1 where ignored or on another rank), ``target != ignore_index``, and the valid targets outside
-    ``[0, vocab_size)``."""
+    ``[0, vocab_size)``; written into ``out`` (three [N] tensors of those dtypes) when given."""
     if degenerate(target.shape[0]):
         from .targets import target_rows_reference
 
-        return target_rows_reference(target, vocab_start, v_local, vocab_size, ignore_index)
+        got = target_rows_reference(target, vocab_start, v_local, vocab_size, ignore_index)
+        if out is None:
+            return got
+        for o, g in zip(out, got):
+            o.copy_(g)
+        return out
     n = target.shape[0]
-    tl = torch.empty(n, dtype=torch.int32, device=target.device)
-    valid = torch.empty(n, dtype=torch.bool, device=target.device)
-    bad = torch.empty(n, dtype=torch.bool, device=target.device)
+    if out is not None:
+        tl, valid, bad = out
+    else:
+        tl = torch.empty(n, dtype=torch.int32, device=target.device)
+        valid = torch.empty(n, dtype=torch.bool, device=target.device)
+        bad = torch.empty(n, dtype=torch.bool, device=target.device)
     _launch("target_rows", (target, tl, valid, bad, int(vocab_start), int(v_local), int(vocab_size), int(ignore_index)),
             target.device, torch.float32, settings)
     return tl, valid, bad
@@ -556,7 +623,7 @@ def token_rows(stats: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor, labe
     return loss, correct, lse
 
 
-def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor:
+def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings, rounded: dict | None = None) -> torch.Tensor:
     """``t *= g`` in place (``g`` a 1-element tensor, e.g. grad_output), a no-op decided on the device
     when ``g == 1`` (kernels/scale.py). 16-bit and float32 contiguous tensors of under 2**31 elements
     (the kernel's int32 offsets) take the kernel; others, and size-0/1 shapes, torch's ``mul_``."""
@@ -565,8 +632,14 @@ def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings) -> torch.Tensor
         from .scale import scale_reference_
 
         return scale_reference_(t, g)
-    # g rounded to t's dtype first: bit-identical to torch's t * g.to(t.dtype)
-    _launch("scale", (t.view(-1), g.reshape(1).to(t.dtype).to(torch.float32)), t.device, t.dtype, settings)
+    # g rounded to t's dtype first: bit-identical to torch's t * g.to(t.dtype); ``rounded`` ({dtype: operand}, the
+    # caller's, for one g): one cast pair for several gradients of one dtype
+    gr = None if rounded is None else rounded.get(t.dtype)
+    if gr is None:
+        gr = g.reshape(1).to(t.dtype).to(torch.float32)
+        if rounded is not None:
+            rounded[t.dtype] = gr
+    _launch("scale", (t.view(-1), gr), t.device, t.dtype, settings)
     return t
 
 

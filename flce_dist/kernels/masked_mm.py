@@ -6,7 +6,7 @@ treated as zero and never read. The mask reaches the kernel compacted, row by ro
 (``compact(keep)``: ``kidx [M/BM, K/BK]`` int32, the kept k-tile ids of each m-tile first in
 ascending order, and ``kcount [M/BM]`` int32), so the K loop runs over kept blocks only, with a
 data-dependent trip count and no branch: Triton pipelines its loads as in a dense matmul (an
-``if keep[m, k]`` around the dot did not pipeline: 1.8-3.7x cuBLAS per kept block on the H200,
+``if keep[m, k]`` around the dot did not pipeline: several times cuBLAS per kept block,
 benchmarks/NOTES.md). One kernel serves both gradient matmuls:
 
     masked_mm(a, b, kidx, kcount, out)   out [M, H] (+)= sum over kept (m, k) of a[m, k] @ b[k, :]

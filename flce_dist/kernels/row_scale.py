@@ -6,8 +6,7 @@ After the chunk's ``E' @ W`` matmul (float32 out) the row-scale form needs
     xw[n, :] = round(x[n, :] * c[n])         # the dW matmul's operand: dW += E'^T (c x)
 
 Two torch multiplies by a broadcast [Nc, 1] float32 column take torch's strided (non-vectorised)
-elementwise kernel, ~0.11 ms per 2816 x 4096 chunk together on the H200 (benchmarks/NOTES.md, run 18);
-this kernel reads acc, x, c once and writes both in one launch.
+elementwise kernel; this kernel reads acc, x, c once and writes both in one launch.
 
 Shapes: acc [Nc, H] float32, x [Nc, H] (bf16 / fp32), c [Nc] float32, dx and xw [Nc, H] in x's dtype.
 """

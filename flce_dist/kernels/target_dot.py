@@ -2,9 +2,8 @@
 
 A logits pass (``lse_forward.py``: the forward-only pass, the fused logits store and the row-scale
 exponential store) would otherwise find each row's target logit by comparing every column index of
-every tile with the row's target: an int compare, a select and an add per element, 0.1-0.5 ms of a
-fused fwd+bwd (benchmarks/NOTES.md, run 20: ``epilogue_probe.py`` part 9, faster in 9 of 9 A/B pairs
-at llama3, qwen3 and gemma). Here each token tile's rows meet their gathered target rows of W:
+every tile with the row's target: an int compare, a select and an add per element in the pass's
+epilogue (its cost, and this launch's gain: docs/results.md, "Per-call small kernels"). Here each token tile's rows meet their gathered target rows of W:
 
     for each token tile n                                   # ceil(N / BN) programs
         acc[BN, BN] = sum over H tiles h of x[n, h] @ W[t[n], h].T   # the pass's K blocks, in its
@@ -15,14 +14,12 @@ at llama3, qwen3 and gemma). Here each token tile's rows meet their gathered tar
 
 On the H200 (sm_90, wgmma) the diagonal equals the pass's target logit bit for bit when ``block_h``
 is the pass's: every output element of a tensor-core dot is the same sequence of products and adds,
-whatever the tile's width (run 20: 8960 of 8960 rows at llama3 and gemma, random and realistic;
-``tests/test_gpu.py`` checks eight cases over the three passes). So the loss and the accuracy output
+whatever the tile's width (``tests/test_gpu.py`` checks eight cases over the three passes). So the loss and the accuracy output
 are unchanged. ``launch.lse_forward`` uses it on sm_90 for every pass without a bias (target_dot adds
-none), where this was checked for all three (run 22: the forward-only pass with its own flattened
-persistent config, the fused logits store, a softcap of 30, bit for bit); other GPUs and reference mode
+none), where this is checked for all three passes; other GPUs and reference mode
 (CPU, whose matmul blocking may round a [BN, BN] product apart from the pass's [BN, BV] one) keep the
-pass's own compare. Extra work: BN times the dot products needed, 2 N BN H flop (8.6 GFLOP at
-N = 8192, H = 4096, BN = 128) and one read of x and of the N gathered rows of W.
+pass's own compare. Extra work: BN times the dot products needed, 2 N BN H flop, and one read of x and of the N
+gathered rows of W.
 
 Shapes: x [N, H], w [V, H], target_local [N] int32 (-1: not in this shard); returns ptgt [1, N]
 float32 (a one-row target partial, which ``launch.merge`` sums on its own).

@@ -4,9 +4,8 @@
     tl[n]    = target[n] - vocab_start  if valid and 0 <= that < v_local,  else -1      (int32)
     bad[n]   = valid and not 0 <= target[n] < vocab_size   (its loss becomes NaN: no device assert)
 
-``core.local_targets`` and the masks' torch expressions (~12 small kernels at N = 8192: ~0.1 ms of
-the forward on the H200, benchmarks/NOTES.md run 19) are the reference and the fallback for
-size-1 shapes. The kernels compare shard-local ids with int32 tile indices, hence int32 ``tl``.
+``core.local_targets`` and the masks' torch expressions (about a dozen small kernels; measured in
+docs/results.md, "Per-call small kernels") are the reference and the fallback for size-1 shapes. The kernels compare shard-local ids with int32 tile indices, hence int32 ``tl``.
 Shapes: target [N] int64, tl [N] int32, valid and bad [N] bool. Grid: token tiles.
 """
 

@@ -53,21 +53,27 @@ _OPTIONS: dict[tuple, LossOptions] = {}
 _PARAMS: dict[tuple, FLCEParams] = {}
 
 
+def _memo(table: dict, key: tuple, make: Callable[[], object]):
+    """``table[key]``, made by ``make()`` on a miss; the table is cleared when it holds ``_CACHE_MAX`` entries."""
+    got = table.get(key)
+    if got is None:
+        got = make()  # may raise (nothing cached)
+        if len(table) >= _CACHE_MAX:
+            table.clear()
+        table[key] = got
+    return got
+
+
 def _options(make: Callable[[], LossOptions]) -> tuple[LossOptions, tuple | None]:
     """(the validated options ``make()`` builds, their cache key; None where a value is unhashable). ``make``: a
     lambda over the API's keyword arguments; the key is the values it closes over (all of them, whatever they are)."""
     key = tuple((float, v, math.copysign(1.0, v)) if type(v) is float else (type(v), v)
                 for v in (c.cell_contents for c in make.__closure__ or ()))
     try:
-        got = _OPTIONS.get(key)
+        hash(key)
     except TypeError:  # an unhashable value: LossOptions names it
         return make(), None
-    if got is None:
-        got = make()  # raises on a bad value (nothing cached)
-        if len(_OPTIONS) >= _CACHE_MAX:
-            _OPTIONS.clear()
-        _OPTIONS[key] = got
-    return got, key
+    return _memo(_OPTIONS, key, make), key
 
 
 def _params(start: int, vocab: int, options: LossOptions, settings: Settings, stale: bool,
@@ -76,14 +82,8 @@ def _params(start: int, vocab: int, options: LossOptions, settings: Settings, st
     made fresh), settings, stale)."""
     if okey is None:
         return FLCEParams(start, vocab, options, settings, stale)
-    key = (start, vocab, okey, settings, stale)
-    got = _PARAMS.get(key)
-    if got is None:
-        got = FLCEParams(start, vocab, options, settings, stale)
-        if len(_PARAMS) >= _CACHE_MAX:
-            _PARAMS.clear()
-        _PARAMS[key] = got
-    return got
+    return _memo(_PARAMS, (start, vocab, okey, settings, stale),
+                 lambda: FLCEParams(start, vocab, options, settings, stale))
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:

@@ -25,10 +25,10 @@ bool, so they carry nothing extra):
     6     raw bits of a float32 checksum of 16 rows of hidden        check_inputs=True only
     7     0 (reserved)
 
-Default cost per call with a group of P > 1 ranks: about 5 small kernels to build the words, the
-extra rows of the one all-gather, and 4 to read the verdict (no host sync, nothing per token
-count that is cached); ``check_inputs=True`` adds the hidden sample and the bad-target count (the
-behaviour before issue 52: about 15 kernels). ``benchmarks/probes/guard_cost.py`` measures both.
+Default cost per call with a group of P > 1 ranks: the small kernels that build words 2-4 and read
+the verdict, and the extra rows of the one all-gather (no host sync, nothing per token count that
+is cached); ``check_inputs=True`` adds the hidden sample and the bad-target count (the behaviour
+before issue 52). ``benchmarks/probes/guard_cost.py`` measures both (docs/results.md).
 Without word 5 a target outside ``[0, V)`` still makes its token's loss NaN (``kernels/token_loss``).
 
 After the gather every rank holds every rank's words (the same tensor on all ranks), so all ranks

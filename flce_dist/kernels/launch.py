@@ -34,7 +34,6 @@ needs Helion's reference mode (``flce_dist.setup_reference_mode()``).
 from __future__ import annotations
 
 import json
-import threading
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -311,13 +310,11 @@ def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch
     """Bind and run kernel ``name`` with its shipped entry (through the launch cache above). No tensor
     object may appear twice in ``args``: Helion 1.4 compiles aliased arguments into one parameter and its
     bind cache does not tell such a call from one with distinct tensors (a later call would read one
-    argument through the other's pointer; benchmarks/NOTES.md, run 19). Views are distinct objects.
-    ``_RAN.last`` receives the kernel's name and the block sizes it ran (``BLOCK_ORDER``)."""
+    argument through the other's pointer; benchmarks/NOTES.md, run 19). Views are distinct objects."""
     tensors = [id(a) for a in args if isinstance(a, torch.Tensor)]
     if len(set(tensors)) != len(tensors):
         raise AssertionError(f"kernels/launch.py: {name} was passed the same tensor object twice")
     full, bound, first = _bind(name, args, device, dtype, settings, variant, h, blocks)
-    _RAN.last = (name, full[len(args):])
     if device.type == "cuda":
         _triton_allocator()
     if first:
@@ -325,9 +322,6 @@ def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch
             warnings.filterwarnings("ignore", message="max_num_sm_multipler is reduced", category=UserWarning)
             return bound(*full)
     return bound(*full)
-
-
-_RAN = threading.local()  # .last: (kernel, block sizes) of this thread's last launch (target_dot takes the pass's)
 
 
 def _triton_allocator() -> None:
@@ -370,6 +364,13 @@ def cublas_dtype(dtype: torch.dtype, device_type: str) -> bool:
     return dtype == torch.float64 or (dtype == torch.float32 and device_type == "cuda")
 
 
+def _torch_logits(x: torch.Tensor, v: int, settings: Settings) -> bool:
+    """Whether a logits pass over ``v`` rows of W takes cuBLAS logits + ``chunk_stats`` (or, storing
+    exponentials, the torch reference) rather than the Helion pass: size-1 dims (Helion 1.4 bug),
+    float64, CUDA float32 (:func:`cublas_logits`) and ``Settings(logits_backend="cublas")``."""
+    return degenerate(*x.shape, v) or cublas_logits(x) or settings.logits_backend == "cublas"
+
+
 def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
                 scale: float, softcap: float, with_sum: bool, settings: Settings,
                 z_out: torch.Tensor | None = None, with_ent: bool = False,
@@ -386,15 +387,13 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     that pass leaves its target logits to ``target_dot`` (sm_90 without a bias: the pass goes first, its
     targets' host work then overlaps it on an idle GPU), else first."""
     if prepare is not None and not (bias is None and split_targets(x.device) and w_perm is None
-                                    and not (degenerate(*x.shape, w.shape[0]) or cublas_logits(x)
-                                             or settings.logits_backend == "cublas")):
+                                    and not _torch_logits(x, w.shape[0], settings)):
         prepare()
         prepare = None
-    if w_perm is not None and (degenerate(*x.shape, w_perm.numel()) or cublas_logits(x)
-                               or settings.logits_backend == "cublas"):
+    if w_perm is not None and _torch_logits(x, w_perm.numel(), settings):
         w, w_perm = w.index_select(0, w_perm), None  # the torch paths take a copy (lse_forward_gathered: by blocks)
     store = STORE_EXP if exp_ref is not None else (STORE_LOGITS if z_out is not None else STORE_NONE)
-    if degenerate(*x.shape, w.shape[0]) or cublas_logits(x) or settings.logits_backend == "cublas":
+    if _torch_logits(x, w.shape[0], settings):
         # size-1 dims (Helion 1.4 bug), float64, CUDA float32 and Settings(logits_backend="cublas"):
         # cuBLAS logits + chunk_stats, token chunk by token chunk when nothing asks for the logits
         # (memory O(chunk))
@@ -420,19 +419,15 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     # the pass that reads W through an index has its own entry (pointer loads for W, not TMA), else "store"'s
     variant = ("store_gather" if w_perm is not None else "store") if z_out is not None else ""
     perm = w_perm.to(torch.int32) if w_perm is not None else _dummy("perm", target_local, torch.int32, 1)
-    _RAN.last = None
     parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, perm, float(scale), float(softcap),
                                     bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt,
                                     w_perm is not None),
                     x.device, x.dtype, settings, variant, x.shape[1])
-    ran = getattr(_RAN, "last", None)
-    tail = ran[1] if ran is not None and ran[0] == "lse_forward" else None
     if prepare is not None:  # the pass does not read the targets (nt): their host work now overlaps it
         prepare()
     if nt:
-        # the pass's own block_h (the bits depend on it): from its launch, without a second entry lookup
-        block_h = (tail[BLOCK_ORDER["lse_forward"].index("block_h")] if tail is not None else
-                   entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"])
+        # the pass's own block_h (the bits depend on it)
+        block_h = entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"]
         rows = target_local  # target_dot gathers the targets' rows of w: in w's own order
         if w_perm is not None:
             rows = torch.where(target_local >= 0, perm[target_local.clamp(min=0).long()], target_local)

@@ -11,6 +11,7 @@ from torch import nn
 
 from .api import _LOGPROB_REFUSED, NON_OPTIONS, _num_items, fused_linear_cross_entropy, logprobs_and_entropy
 from .distributed import CopyToGroup, group_rank, group_size, vocab_shard
+from .distributed.shard import local_rows
 from .distributed.dtensor import chunk_span, from_local, is_dtensor, sharded_placements
 from .options import LossOptions
 
@@ -57,10 +58,7 @@ def uniform_rows_(out: torch.Tensor, start: int, total_rows: int, bound: float) 
     value per element, serially; ``tests/test_heads.py`` checks it). Every rank draws all
     ``total_rows`` rows (the time of the full draw) and keeps only its own: peak memory one block
     plus ``out``, and the generator ends where ``nn.Linear``'s initialisation leaves it."""
-    width = 1
-    for d in out.shape[1:]:
-        width *= d
-    per_block = max(1, _INIT_BLOCK_ELEMENTS // max(width, 1))
+    per_block = max(1, _INIT_BLOCK_ELEMENTS // max(math.prod(out.shape[1:]), 1))
     end = start + out.shape[0]
     for r0 in range(0, total_rows, per_block):
         r1 = min(total_rows, r0 + per_block)
@@ -179,8 +177,8 @@ class VocabParallelLMHead(nn.Module):
                                  f"(placements {tuple(value.placements)}); load a DTensor of the same split, the "
                                  "full tensor, or this rank's rows")
             value = local
-        elif value.dim() >= 1 and value.shape[0] == self.vocab_size and tuple(value.shape) != local_shape:
-            value = value[s:e]
+        else:
+            value = local_rows(value, self.vocab_size, self.shard, local_shape)
         return self._dist(value) if self.mesh is not None and tuple(value.shape) == local_shape else value
 
     def forward(self, hidden: torch.Tensor, target: torch.Tensor | None = None, **overrides: Any):

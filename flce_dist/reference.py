@@ -54,15 +54,16 @@ def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int
     w = None if loss_weights is None else torch.where(valid, loss_weights.reshape(-1).to(loss.dtype), 0.0)
     if reduction == "none":
         out = loss.reshape(target.shape)
-    elif reduction == "sum":
-        out = loss.sum() if w is None else (w * loss).sum()
-    elif w is not None and num_items_in_batch is None:
-        d = w.sum()
-        out = (w * loss).sum() / torch.where(d == 0, torch.ones_like(d), d)
     else:
-        denom = num_items_in_batch if num_items_in_batch is not None else valid.sum()
         total = loss.sum() if w is None else (w * loss).sum()
-        out = total / torch.as_tensor(denom, dtype=loss.dtype, device=loss.device).clamp(min=1)
+        if reduction == "sum":
+            out = total
+        elif w is not None and num_items_in_batch is None:
+            d = w.sum()
+            out = total / torch.where(d == 0, torch.ones_like(d), d)
+        else:
+            denom = num_items_in_batch if num_items_in_batch is not None else valid.sum()
+            out = total / torch.as_tensor(denom, dtype=loss.dtype, device=loss.device).clamp(min=1)
     return (out, lse.reshape(target.shape)) if return_lse else out
 
 

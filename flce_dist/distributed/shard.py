@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_rows
+from .dtensor import chunk_span
 from .groups import group_size
 
 
@@ -40,8 +41,8 @@ def vocab_shard(vocab_size: int, rank: int, world_size: int, *, split: str = "ba
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
     if split == "chunk":
-        step = -(-vocab_size // world_size)
-        return min(rank * step, vocab_size), min((rank + 1) * step, vocab_size)
+        start, rows = chunk_span(vocab_size, world_size, rank)
+        return start, start + rows
     if split != "balanced":
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     q, r = divmod(vocab_size, world_size)
@@ -52,6 +53,15 @@ def vocab_shard(vocab_size: int, rank: int, world_size: int, *, split: str = "ba
 def shard_sizes(vocab_size: int, world_size: int, *, split: str = "balanced") -> list[int]:
     """Rows of every rank under :func:`vocab_shard` with ``split``."""
     return [e - s for s, e in (vocab_shard(vocab_size, r, world_size, split=split) for r in range(world_size))]
+
+
+def local_rows(value: torch.Tensor, vocab_size: int, shard: tuple[int, int], local_shape: tuple) -> torch.Tensor:
+    """For loading a checkpoint into a shard of ``shard = (start, end)``: the full ``[vocab_size, ...]``
+    rows of ``value`` sliced to this rank's, any other ``value`` (this rank's rows already, or a
+    mismatch that ``load_state_dict`` reports) as it is."""
+    if value.dim() >= 1 and value.shape[0] == vocab_size and tuple(value.shape) != tuple(local_shape):
+        return value[shard[0]:shard[1]]
+    return value
 
 
 # checked layouts per process group, the group held weakly: a group the program drops (a test's or a

@@ -99,12 +99,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import fused_linear_cross_entropy as _flce
+from ..options import LossOptions
 from ..settings import Settings
 
 __all__ = ["OutputProcessor", "output_processor", "install", "Installed"]
-
-_STRATEGIES = ("auto", "fused", "recompute")
-
 
 # ---------------------------------------------------------------- what cannot be honoured
 
@@ -157,8 +155,7 @@ class OutputProcessor:
         v = self.true_vocab_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
             raise ValueError(f"true_vocab_size must be a positive int or None, got {v!r}")
-        if self.strategy not in _STRATEGIES:
-            raise ValueError(f"strategy must be one of {_STRATEGIES}, got {self.strategy!r}")
+        LossOptions(strategy=self.strategy)  # the loss's own check of the value (ValueError naming strategy)
         if self.settings is not None and not isinstance(self.settings, Settings):
             raise TypeError(f"settings must be a flce_dist.Settings or None, got {type(self.settings).__name__}")
 

@@ -75,6 +75,7 @@ from torch import nn
 from ..api import fused_linear_cross_entropy
 from ..distributed import (CopyToGroup, GatherVocab, ReduceFromGroup, all_gather_rows_uneven, group_rank, group_size,
                            shard_sizes, vocab_shard)
+from ..distributed.shard import local_rows
 from ..modules import VocabParallelLMHead
 from ..options import LossOptions
 from .heads import HeadShard, head_shard, register_head_shard
@@ -226,9 +227,8 @@ def _load_shard_rows(module: nn.Module, state_dict: dict, prefix: str, *args: An
     for name in ("weight", "bias"):
         key, param = prefix + name, getattr(module, name, None)
         value = state_dict.get(key)
-        if (isinstance(value, torch.Tensor) and isinstance(param, torch.Tensor) and value.dim() >= 1
-                and value.shape[0] == tp.vocab and tuple(value.shape) != tuple(param.shape)):
-            state_dict[key] = value[tp.start:tp.end]
+        if isinstance(value, torch.Tensor) and isinstance(param, torch.Tensor):
+            state_dict[key] = local_rows(value, tp.vocab, (tp.start, tp.end), tuple(param.shape))
 
 
 def _gather_shards_on_save(model: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

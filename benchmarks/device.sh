@@ -576,6 +576,15 @@ step_hostcost() {
   grep "^=== trace\|^  [a-zA-Z]" "$OUT/host_cost_trace.log" | cut -c1-240
 }
 
+# probes/launch_cost.py: kernels/fast_launch.py against Helion's default launcher: the call bit for bit, single /
+# steady / host ms in interleaved rounds, host us per Helion launch by kernel, a cProfile of one launch
+# (LAUNCH_NS=1024,4096, LAUNCH_REPS=40, LAUNCH_TIMEOUT=240)
+step_launchcost() {
+  timeout ${LAUNCH_TIMEOUT:-240} python3 benchmarks/probes/launch_cost.py --ns ${LAUNCH_NS:-1024,4096} \
+    --reps ${LAUNCH_REPS:-40} --out "$OUT" 2>&1 | flt > "$OUT/launch_cost.log"
+  summary "$OUT/launch_cost.log" launch_cost
+}
+
 # issue 30's host cost per tree (AB_TREES=".old ."): fixed_cost.py (FIXED_NS=1024,4096, FIXED_SHAPES=4096x32000,
 # FIXED_REPS=20), then host_profile.py on this tree only (HOST_CASES=1024x4096x32000)
 step_hostab() {

@@ -515,3 +515,29 @@ def test_target_dot_matches_the_logits_pass_bitwise(n, h, v, data, store, softca
     got = launch.lse_forward(x, w, None, tl, 1.0, softcap, False, s, z_out=z2, exp_ref=r)
     want = launch.merge(*parts, False, False, s)
     assert torch.equal(got, want) and (z2 is None or torch.equal(z2, z))
+
+
+def test_fast_launch_is_bit_identical_to_helions_launcher(monkeypatch):
+    """``kernels/fast_launch.py`` (repeat launches straight to the compiled kernel) against Helion's default
+    launcher: loss, dX and dW bit for bit, fused and recompute, twice (the second from the fast path's cache).
+    (Its cache key is tested on the CPU: tests/test_host_cost.py.)"""
+    from flce_dist.kernels import fast_launch, launch
+
+    if not fast_launch.fast_path_supported():
+        pytest.skip("this triton takes Helion's default launcher")
+    n, h, v = 389, 1000, 10000
+    x, w, t = _case(1, n, h, v, torch.bfloat16, seed=3)
+    outs = {}
+    for fast in (False, True, True):
+        monkeypatch.setattr(launch, "FAST_LAUNCH", fast)
+        for strategy in ("fused", "recompute"):
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss = flce_dist.fused_linear_cross_entropy(xs, ws, t, strategy=strategy)
+            loss.backward()
+            outs.setdefault((fast, strategy), []).append((loss.detach().clone(), xs.grad.clone(), ws.grad.clone()))
+    assert fast_launch._COMPILED, "the fast path never cached a kernel"
+    for strategy in ("fused", "recompute"):
+        ref = outs[(False, strategy)][0]
+        for got in outs[(True, strategy)]:
+            for a, b in zip(ref, got):
+                assert torch.equal(a, b), strategy

@@ -233,3 +233,81 @@ def test_returned_lse_is_a_copy_only_when_returned():
     F(x, w, t, strategy="recompute").backward()
     assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
     assert torch.equal(grads[0][0], x.grad) and torch.equal(grads[0][1], w.grad)
+
+
+class _FakeCompiled:
+    """What the fast path calls on a repeat: ``run(g0, g1, g2, stream, function, packed, meta, enter, exit,
+    *args)``."""
+
+    def __init__(self, tag):
+        self.tag, self.function, self.packed_metadata, self.runs = tag, object(), object(), []
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class _FakeTritonKernel:
+    def __init__(self, nparams):
+        self.params, self.pre_run_hooks = [None] * nparams, []
+
+
+def test_fast_launch_key_and_fallbacks(monkeypatch):
+    """``kernels/fast_launch.launcher`` without a GPU (Triton and CUDA stood in for): a repeat launch with the
+    same specialisation goes straight to the compiled kernel with Triton's positional layout; a pointer that is
+    not 16-byte aligned, another int value (Triton specialises on == 1 and % 16), dtype, grid or num_warps
+    takes Triton's path (a compile there); extra launcher keywords, an argument of another type, pre-run hooks,
+    a registered launch hook and a kernel with more parameters than arguments never use the cache."""
+    from flce_dist.kernels import fast_launch
+
+    slow: list = []
+
+    def default(kern, grid, *args, num_warps, num_stages, **kw):
+        slow.append((grid, args, kw))
+        return _FakeCompiled(len(slow))
+
+    monkeypatch.setattr(fast_launch, "_default_launcher", lambda: default)
+    monkeypatch.setattr(fast_launch, "_hooks_active", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
+    monkeypatch.setattr(fast_launch, "_COMPILED", {})
+    k = _FakeTritonKernel(5)
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    a = buf[:16]
+    assert a.data_ptr() % 16 == 0
+    go = lambda *args, **kw: fast_launch.launcher(k, (3, 2), *args, num_warps=4, num_stages=2, **kw)  # noqa: E731
+
+    c1 = go(a, buf[16:32], 2.5, 4096, True)
+    assert len(slow) == 1
+    c2 = go(buf[32:48], buf[:16], 0.5, 4096, True)  # other pointers, same alignment, another float: cached
+    assert len(slow) == 1 and c2 is c1 and len(c1.runs) == 1
+    g0, g1, g2, stream, fn, packed, meta, enter, exit_, *args = c1.runs[0]
+    assert (g0, g1, g2, stream, fn, packed, meta, enter, exit_) == (3, 2, 1, 7, c1.function, c1.packed_metadata,
+                                                                    None, None, None)
+    assert args[2] == 0.5 and args[3] == 4096 and args[0].data_ptr() == buf[32:48].data_ptr()
+    for other in [(buf[1:17], buf[16:32], 2.5, 4096, True),  # 2 bytes past an aligned pointer
+                  (a, buf[16:32], 2.5, 4097, True), (a, buf[16:32], 2.5, 1, True),  # ints: % 16, == 1
+                  (a, buf[16:32], 2.5, 4096, False), (a.float(), buf[16:32], 2.5, 4096, True)]:
+        n = len(slow)
+        go(*other)
+        assert len(slow) == n + 1, other
+    n = len(slow)
+    fast_launch.launcher(k, (4,), a, a, 2.5, 4096, True, num_warps=4, num_stages=2)  # another grid
+    fast_launch.launcher(k, (3, 2), a, a, 2.5, 4096, True, num_warps=8, num_stages=2)  # another num_warps
+    assert len(slow) == n + 2
+    for call in [lambda: go(a, buf[16:32], 2.5, 4096, True, ptx_options="x"),  # launcher keywords
+                 lambda: go(a, buf[16:32], 2.5, 4096, (1, 2)),  # a tuple argument
+                 lambda: fast_launch.launcher(_FakeTritonKernel(6), (3, 2), a, a, 2.5, 4096, True,
+                                              num_warps=4, num_stages=2)]:  # a defaulted parameter
+        for _ in range(2):
+            n = len(slow)
+            call()
+            assert len(slow) == n + 1
+    k.pre_run_hooks = [print]
+    n = len(slow)
+    go(a, buf[16:32], 2.5, 4096, True)
+    assert len(slow) == n + 1
+    k.pre_run_hooks = []
+    monkeypatch.setattr(fast_launch, "_hooks_active", lambda: True)  # a profiler's launch hook
+    n = len(slow)
+    go(a, buf[16:32], 2.5, 4096, True)
+    assert len(slow) == n + 1

@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 
 from ..chunking import chunk_rows
+from . import fast_launch
 from ..settings import Settings
 
 # lse_forward's ``store`` constexpr (literals in the kernel)
@@ -317,6 +318,9 @@ def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch
     full, bound, first = _bind(name, args, device, dtype, settings, variant, h, blocks)
     if device.type == "cuda":
         _triton_allocator()
+        run = bound._run
+        if FAST_LAUNCH and run is not None and not first and fast_launch.fast_path_supported():
+            return run(*full, _launcher=fast_launch.launcher)  # kernels/fast_launch.py: no re-bind in Triton
     if first:
         with warnings.catch_warnings():  # the first call compiles: see kernels/common.py
             warnings.filterwarnings("ignore", message="max_num_sm_multipler is reduced", category=UserWarning)
@@ -337,6 +341,10 @@ def _triton_allocator() -> None:
 
 
 _SET_ALLOCATOR = None
+
+# Repeat CUDA launches through kernels/fast_launch.py (the compiled kernel's run, without Triton's per-call
+# bind; the same kernel and the same bits). False: Helion's default launcher every time (the probes' A/B).
+FAST_LAUNCH = True
 
 
 def degenerate(*sizes: int) -> bool:

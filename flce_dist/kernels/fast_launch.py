@@ -1,0 +1,116 @@
+"""A Helion launcher that skips Triton's per-call argument binding on a repeat launch (CUDA, issue 53).
+
+Helion's generated host function ends in ``_launcher(triton_kernel, grid, *args, num_warps=..,
+num_stages=..)``; its default launcher calls ``triton_kernel.run(*args, grid=grid, warmup=False, ...)``,
+which on every call reads the current device and stream, binds each argument to derive its
+specialisation, formats the kernel-cache key, checks the kernel's globals and builds the launch
+metadata, then calls the compiled kernel's ``run``. This launcher keeps that path for the first
+launch of each specialisation (it compiles, launches and returns the ``CompiledKernel``) and, on a
+repeat, calls ``CompiledKernel.run`` directly with the same positional arguments Triton would pass.
+
+The cache key holds everything Triton specialises on, and more: per tensor its dtype and whether its
+data pointer is 16-byte aligned (Triton's ``tt.divisibility`` on pointers); per int and bool its exact
+value (covers Triton's ``== 1`` and ``% 16`` specialisations and the i32 / i64 choice); per float its
+type (Triton does not specialise float values); and the kernel, grid, device, ``num_warps`` and
+``num_stages``. A miss takes Triton's own path, so a key that is finer than Triton's costs at most a
+bind, never a wrong kernel.
+
+Falls back to Helion's default launcher (every call) where the direct call's assumptions do not
+hold: extra launcher keywords (remote copies, PTX options, cooperative grids), an argument of another
+type (a tensor subclass, a descriptor), a kernel with pre-run hooks, fewer positional arguments than
+the kernel's parameters (defaults), and while any Triton launch hook is registered (profilers such as
+proton read the launch metadata this path does not build). The layout of ``CompiledKernel.run``'s
+arguments is the one triton 3.6 through 3.9 use (``fast_path_supported``); another triton takes the
+default launcher.
+
+Used by ``launch._launch`` on CUDA tensors. Bounded: cleared at ``_MAX`` entries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_COMPILED: dict[tuple[Any, ...], Any] = {}
+_MAX = 1024
+_STATE: dict[str, Any] = {}  # lazily: the default launcher, triton's knobs, the raw-stream getter
+
+
+def fast_path_supported() -> bool:
+    """Whether the installed triton's ``CompiledKernel.run`` takes the argument layout this module passes
+    (triton 3.6 - 3.9: grid x3, stream, function, packed metadata, launch metadata, enter / exit hook, args)."""
+    got = _STATE.get("supported")
+    if got is None:
+        try:
+            import triton
+
+            major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+            got = (3, 6) <= (major, minor) <= (3, 9)
+        except (ImportError, ValueError):
+            got = False
+        _STATE["supported"] = got
+    return got
+
+
+def _default_launcher() -> Any:
+    fn = _STATE.get("default")
+    if fn is None:
+        from helion.runtime import default_launcher as fn
+
+        _STATE["default"] = fn
+    return fn
+
+
+def _hooks_active() -> bool:
+    """Whether a Triton launch hook is registered (a HookChain with calls, or a plain callable)."""
+    knobs = _STATE.get("knobs")
+    if knobs is None:
+        from triton import knobs
+
+        _STATE["knobs"] = knobs
+    rt = knobs.runtime
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return False
+
+
+def _spec(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    key: list[Any] = []
+    for a in args:
+        t = type(a)
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            key.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif t is int or t is bool:
+            key.append((t, a))
+        elif t is float:
+            key.append(float)
+        elif a is None:
+            key.append(None)
+        else:
+            return None
+    return tuple(key)
+
+
+def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int,
+             **kwargs: Any) -> Any:
+    """Drop-in for ``helion.runtime.default_launcher`` (the ``_launcher=`` of a Helion host function)."""
+    spec = None if kwargs or triton_kernel.pre_run_hooks or _hooks_active() else _spec(args)
+    if spec is None:
+        return _default_launcher()(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages, **kwargs)
+    dev = torch.cuda.current_device()
+    key = (triton_kernel, grid, dev, num_warps, num_stages, spec)
+    k = _COMPILED.get(key)
+    if k is None:
+        k = _default_launcher()(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages)
+        if len(args) == len(triton_kernel.params) and hasattr(k, "packed_metadata"):
+            if len(_COMPILED) >= _MAX:
+                _COMPILED.clear()
+            _COMPILED[key] = k
+        return k
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    k.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(dev), k.function, k.packed_metadata, None, None, None,
+          *args)
+    return k

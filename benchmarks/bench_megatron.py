@@ -15,10 +15,21 @@ Implementations (``--impls``), each from the same seed in this process, one afte
 ``native`` (``cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native"``: Megatron's fused
 vocab-parallel CE), ``unfused`` (``tensor_parallel.vocab_parallel_cross_entropy``), ``flce``
 (``flce_dist.integrations.megatron.install(model)``). Per implementation: the median step time over
-the steps after ``--warmup`` (fwd + bwd + optimizer, synchronised), the peak memory of those steps
-(``torch.cuda.max_memory_allocated``), the loss of every step. Prints a table last; writes
-``megatron_steps.csv`` (every step) and ``megatron_summary.csv`` under ``--out`` (and
-``benchmarks/results/``).
+the steps after ``--warmup`` (fwd + bwd + optimizer, synchronised), the loss of every step, and three
+memory numbers over those steps (``torch.cuda`` allocator statistics, GiB):
+
+- ``peak_gib``: the whole step's peak (forward, backward, optimizer step); at the default size the
+  optimizer step sets it (float32 main parameters and Adam states), the same for every head;
+- ``fb_peak_gib``: the peak of the forward-backward function alone (``reset_peak_memory_stats`` right
+  before it, ``max_memory_allocated`` right after it, before ``opt.step()``), the max over steps;
+- ``fb_extra_gib``: that peak minus ``memory_allocated`` at the forward-backward's start (the resident
+  state: parameters, gradient buffers, optimizer states), the max over steps: the activations and the
+  head's transients. The forward-backward runs the step's ``--micro`` micro-batches one after the other
+  (no pipelining; the gradients accumulate in DDP's resident buffers), so this is the largest of the
+  micro-batches' forward + backward footprints, not ``--micro`` times one.
+
+NaN on the CPU (``--smoke``). Prints a table last; writes ``megatron_steps.csv`` (every step) and
+``megatron_summary.csv`` under ``--out`` (and ``benchmarks/results/``).
 
     python benchmarks/bench_megatron.py --steps 300 --out /tmp/out      # one GPU (device.sh megatron)
     python benchmarks/bench_megatron.py --smoke                          # a tiny config on the CPU
@@ -140,20 +151,21 @@ def forward_step(data_iterator, model):
     return out, functools.partial(loss_func, loss_mask)
 
 
-def train(args, impl: str, data: list, device: torch.device) -> tuple[list[float], list[float], float]:
-    """Per-step losses (token mean over the step's micro-batches) and times, and the peak GiB after warm-up."""
+def train(args, impl: str, data: list, device: torch.device) -> tuple[list[float], list[float], dict]:
+    """Per-step losses (token mean over the step's micro-batches) and times, and the memory numbers of
+    the steps after warm-up (``peak_gib``, ``fb_peak_gib``, ``fb_extra_gib``; NaN on the CPU)."""
     cuda = device.type == "cuda"
     model, ddp, opt, handle = build(args, impl, device)
     it = iter(data)
     losses, times = [], []
+    first = args.warmup if args.warmup < args.steps else 0  # the measured steps (as the median step time's)
+    step_peak = fb_peak = fb_extra = 0  # bytes, max over the measured steps
     if cuda:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         fb = get_forward_backward_func()
     for step in range(args.steps):
-        if step == args.warmup and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+        measured = cuda and step >= first
         lr = args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup))
         for group in opt.param_groups:
             group["lr"] = lr
@@ -161,10 +173,20 @@ def train(args, impl: str, data: list, device: torch.device) -> tuple[list[float
         ddp.zero_grad_buffer()
         opt.zero_grad()
         if cuda:
+            if measured:  # the peak is reset only here: the previous measured step's tail first
+                if step > first:
+                    step_peak = max(step_peak, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+                resident = torch.cuda.memory_allocated()
             reports = fb(forward_step_func=forward_step, data_iterator=it, model=[ddp], num_microbatches=args.micro,
                          seq_length=args.seq, micro_batch_size=args.mbs, forward_only=False)
+            if measured:  # allocator statistics are kept on the host: no synchronisation needed
+                peak = torch.cuda.max_memory_allocated()
+                fb_peak, fb_extra = max(fb_peak, peak), max(fb_extra, peak - resident)
             opt.step()
             torch.cuda.synchronize()
+            if measured:
+                step_peak = max(step_peak, torch.cuda.max_memory_allocated())
         else:  # the schedule's per-micro-batch pieces; torch AdamW on the DDP buffers (see the docstring)
             from megatron.core.pipeline_parallel import schedules
 
@@ -183,14 +205,17 @@ def train(args, impl: str, data: list, device: torch.device) -> tuple[list[float
         losses.append(float(rep[0] / rep[1]))
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
             print(f"[{impl}] step {step}: loss {losses[-1]:.4f}, {times[-1]:.1f} ms", flush=True)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    if cuda:
+        step_peak = max(step_peak, torch.cuda.max_memory_allocated())  # the last step's tail
+    gib = (lambda b: b / 2**30) if cuda else (lambda b: float("nan"))
+    memory = {"peak_gib": gib(step_peak), "fb_peak_gib": gib(fb_peak), "fb_extra_gib": gib(fb_extra)}
     if handle is not None:
         handle.remove()
     del model, ddp, opt
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return losses, times, peak
+    return losses, times, memory
 
 
 def main() -> None:
@@ -244,12 +269,12 @@ def main() -> None:
     rows, summary = [], []
     curves = {}
     for impl in impls:
-        losses, times, peak = train(args, impl, data, device)
+        losses, times, memory = train(args, impl, data, device)
         curves[impl] = losses
         rows += [{"impl": impl, "step": i, "loss": f"{l:.6f}", "step_ms": f"{t:.2f}"}
                  for i, (l, t) in enumerate(zip(losses, times))]
         timed = times[args.warmup:] or times
-        summary.append({"impl": impl, "step_ms": statistics.median(timed), "peak_gib": peak,
+        summary.append({"impl": impl, "step_ms": statistics.median(timed), **memory,
                         "loss_first": losses[0], "loss_last10": statistics.mean(losses[-10:])})
     base = curves[impls[0]]
     for s in summary:
@@ -257,11 +282,14 @@ def main() -> None:
     if args.out:
         write_csv(rows, "megatron_steps.csv", [args.out])
         write_csv(summary, "megatron_summary.csv", [args.out])
-    print(f"\n=== bench_megatron summary (median step after {args.warmup} warm-up steps; peak memory of those steps)")
-    print(f"{'impl':<8} {'step ms':>9} {'peak GiB':>9} {'loss[0]':>8} {'loss last10':>12} {'max|dloss| vs ' + impls[0]:>22}")
+    print(f"\n=== bench_megatron summary (median step after {args.warmup} warm-up steps; memory of those steps: "
+          f"whole step's peak, fwd/bwd's peak, fwd/bwd's peak above its resident start)")
+    print(f"{'impl':<8} {'step ms':>9} {'peak GiB':>9} {'fb peak':>8} {'fb extra':>9} {'loss[0]':>8} {'loss last10':>12} "
+          f"{'max|dloss| vs ' + impls[0]:>22}")
     for s in summary:
-        print(f"{s['impl']:<8} {s['step_ms']:>9.1f} {s['peak_gib']:>9.2f} {s['loss_first']:>8.4f} "
-              f"{s['loss_last10']:>12.4f} {s['max_abs_dloss_vs_' + impls[0]]:>22.2e}")
+        print(f"{s['impl']:<8} {s['step_ms']:>9.1f} {s['peak_gib']:>9.2f} {s['fb_peak_gib']:>8.2f} "
+              f"{s['fb_extra_gib']:>9.2f} {s['loss_first']:>8.4f} {s['loss_last10']:>12.4f} "
+              f"{s['max_abs_dloss_vs_' + impls[0]]:>22.2e}")
     dist.destroy_process_group()
 
 

@@ -20,6 +20,12 @@ unpadded vocabulary (TP=1) and against the float64 reference (TP=4: the last sha
 AdamW steps through Megatron's training pieces that run on CPU (its ``DistributedDataParallel``
 grad buffers, ``schedules.forward_step`` / ``backward_step`` with its loss scaling, with and without
 ``calculate_per_token_loss``, and its sequence-parallel grad all-reduce); the refused settings.
+Context parallelism (TP=2 x CP=2 on 4 gloo ranks; Megatron's local attention refuses CP > 1, so no
+model): the output layer built as ``GPTModel`` builds it, each CP rank fed its own tokens by
+Megatron's ``get_batch_on_this_cp_rank``, the processor called as ``GPTModel`` calls it, with and
+without sequence parallelism: the loss ``[b, s/CP]`` and the gradients of the hidden states and the
+weight shard against Megatron's ``vocab_parallel_cross_entropy`` on the same tokens, and the two CP
+ranks' losses differ (nothing reduced over CP).
 
 CPU shims, here only (never in the library): a stub for the one module that imports Triton
 (``transformer/moe/ops/paged_stash.py``), ``torch.cuda.current_device`` answering ``"cpu"`` (RoPE,
@@ -722,6 +728,113 @@ def test_megatron_tensor_parallel():
         assert len(d) == (202 if r < 2 else 44), (r, len(d))  # TP=4 on every rank, then TP=2 on ranks 0 and 1
 
 
+def _cp_checks(rank: int) -> dict:
+    """TP=2 x CP=2: the output layer as GPTModel builds it (``ColumnParallelLinear``, the model's
+    config with ``context_parallel_size=2``, ``tp_group``), fed this CP rank's tokens (Megatron's own
+    zigzag split, ``get_batch_on_this_cp_rank``: different hidden states, labels and loss mask per CP
+    rank, the same within a TP pair), called as ``GPTModel._postprocess`` calls the processor;
+    against Megatron's ``output_layer`` + ``vocab_parallel_cross_entropy`` on the same CP-local tokens."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from flce_dist.integrations import megatron as fm
+
+    tp_group, cp_group = ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group()
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    errs = {"flag cp: TP pairs {0,1} {2,3}, CP pairs {0,2} {1,3}": (tp, cp) == (2, 2)
+            and dist.get_process_group_ranks(tp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+            and dist.get_process_group_ranks(cp_group) == [rank % 2, rank % 2 + 2]}
+    g = torch.Generator().manual_seed(11)  # the full sequence, the same on every rank
+    full = {"cu_seqlens": None, "hidden": torch.randn(MB, SEQ, 32, generator=g),
+            "labels": torch.randint(0, TRUE_V, (MB, SEQ), generator=g),
+            "loss_mask": (torch.rand(MB, SEQ, generator=g) > 0.25).float()}
+    local = get_batch_on_this_cp_rank(full, is_hybrid_cp=False, cp_group=cp_group)  # [b, s/CP, ...]
+    hidden, labels, loss_mask = local["hidden"].transpose(0, 1).contiguous(), local["labels"], local["loss_mask"]
+    s_cp = SEQ // cp
+    errs["flag cp: CP-local shapes"] = hidden.shape == (s_cp, MB, 32) and labels.shape == (MB, s_cp)
+
+    def megatron_loss(labels_, logits):  # LanguageModule.compute_language_model_loss, unfused
+        return tensor_parallel.vocab_parallel_cross_entropy(logits, labels_.transpose(0, 1).contiguous(),
+                                                            tp_group=tp_group).transpose(0, 1).contiguous()
+
+    def run(layer, h_in, processor):
+        layer.zero_grad(set_to_none=True)
+        h = h_in.clone().requires_grad_()
+        if processor is None:  # GPTModel._postprocess without a processor
+            logits, _ = layer(h, weight=None, runtime_gather_output=None)
+            out = megatron_loss(labels, logits)
+        else:  # GPTModel._postprocess's call of the hook
+            out = processor(hidden_states=h, output_layer=layer, output_weight=None, labels=labels,
+                            loss_mask=loss_mask, input_ids=None, position_ids=None, attention_mask=None,
+                            decoder_input=None, inference_context=None, packed_seq_params=None,
+                            runtime_gather_output=None, context=None, compute_language_model_loss=megatron_loss,
+                            scale_logits=lambda x: x, config=layer.config)
+        (out * loss_mask).sum().mul(0.37).backward()
+        return out.detach().clone(), h.grad.clone(), layer.weight.grad.clone()
+
+    def gathered(t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return parts
+
+    for sp in (False, True):
+        tag = f"cp=2 tp=2 {'sp' if sp else 'nosp'}"
+        cfg = _config(tp, sp, context_parallel_size=cp)
+        torch.manual_seed(0)  # the same master weight on every rank (CPU init): the TP shards, replicated over CP
+        layer = tensor_parallel.ColumnParallelLinear(  # as GPTModel.__init__ builds self.output_layer
+            cfg.hidden_size, PADDED_V, config=cfg, init_method=cfg.init_method, bias=False, skip_bias_add=False,
+            gather_output=False, skip_weight_param_allocation=False, embedding_activation_buffer=None,
+            grad_output_buffer=None, tp_group=tp_group)
+        # under SP the decoder's output is also split over the TP pair: [s/(CP TP), b, h]
+        h_in = hidden[tp_rank * s_cp // tp:(tp_rank + 1) * s_cp // tp] if sp else hidden
+        ref = run(layer, h_in, None)
+        with flce_dist.override(blocks=SMALL_BLOCKS, chunk_bytes=8 * PADDED_V * 4), _Recomputes() as spy:
+            got = run(layer, h_in, fm.output_processor)
+        errs[f"flag {tag}: fused (no recompute)"] = spy.calls == 0
+        errs[f"flag {tag}: loss [b, s/CP]"] = got[0].shape == (MB, s_cp)
+        errs.update({f"{k} {tag}": rel(a, b) for k, a, b in zip(("loss", "dx", "dw"), got, ref)})
+        # the TP pair returns one loss; the CP pair's differ (its tokens do): nothing mixed over CP
+        tp_losses, cp_losses = gathered(got[0], tp_group), gathered(got[0], cp_group)
+        errs[f"flag {tag}: the same loss on the TP pair"] = torch.equal(tp_losses[0], tp_losses[1])
+        errs[f"flag {tag}: the CP ranks' losses differ"] = not torch.allclose(cp_losses[0], cp_losses[1], rtol=1e-2)
+        errs[f"flag {tag}: the CP ranks' dW differ"] = not torch.allclose(*gathered(got[2], cp_group), rtol=1e-2)
+    return errs
+
+
+def _cp_worker(rank: int, world: int, tmp: str) -> None:
+    import torch.distributed as dist
+
+    flce_dist.setup_reference_mode()
+    torch.set_num_threads(1)
+    try:
+        _megatron_shims()
+        from megatron.core import parallel_state
+
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+        errs = _cp_checks(rank)
+    except Exception:  # noqa: BLE001  (reported by the test with the rank's traceback)
+        errs = {"error": traceback.format_exc()}
+    torch.save(errs, os.path.join(tmp, f"r{rank}.pt"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@needs_megatron
+@pytest.mark.dist
+def test_megatron_context_parallel():
+    """TP=2 x CP=2 on 4 gloo ranks: the head reduces over the output layer's TP group only."""
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_ranks(_cp_worker, 4, tmp, timeout=300)
+    for r, d in enumerate(res):
+        assert "error" not in d, f"rank {r}:\n{d['error']}"
+        _check(d, f"rank {r}")
+        assert len(d) == 18, (r, len(d))  # every check ran
+
+
 @needs_megatron
 def test_bench_megatron_smoke():
     """benchmarks/bench_megatron.py --smoke: the GPU benchmark's code on a tiny model on the CPU (Megatron's
@@ -736,5 +849,5 @@ def test_bench_megatron_smoke():
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_megatron.py"), "--smoke", "--impls",
                           "unfused,flce"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    row = re.search(r"^flce\s+\S+\s+\S+\s+\S+\s+\S+\s+(\S+)$", res.stdout, re.M)
+    row = re.search(r"^flce(?:\s+\S+){6}\s+(\S+)$", res.stdout, re.M)  # the last column: max|dloss|
     assert row and float(row.group(1)) < 1e-4, res.stdout[-2000:]

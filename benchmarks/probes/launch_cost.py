@@ -12,7 +12,8 @@ Per N (llama3 head by default, bf16, random data), in one process:
    own arguments, the GPU kept busy): host us per launch of ``_launch`` with the launcher off / on, of the
    bound kernel's host function with a launcher that does nothing (Helion's generated host code: its
    allocations and grid), and of Triton's ``JITFunction.run`` alone (the default launcher's work).
-3. A cProfile of the ``lse_forward`` launch with the default launcher (top functions by own time).
+3. A cProfile of the ``lse_forward`` launch with the default launcher (top functions by own time), and of
+   whole fwd+bwd calls with the fast launcher (by own and by cumulative time).
 
 Prints a table last; writes ``launch_cost.csv`` and ``launch_cost_kernels.csv`` to ``--out``.
 """
@@ -135,6 +136,23 @@ def profile_launch(recs: list[tuple], reps: int) -> str:
     return s.getvalue()
 
 
+def profile_call(x, w, t, reps: int) -> str:
+    """cProfile of whole fwd+bwd calls with the fast launcher (where the rest of the host time goes)."""
+    pr = cProfile.Profile()
+    call(x, w, t)
+    torch.cuda.synchronize()
+    pr.enable()
+    for _ in range(reps):
+        call(x, w, t)
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    st = pstats.Stats(pr, stream=s)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumulative").print_stats(45)
+    return s.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ns", default="1024,4096")
@@ -183,6 +201,8 @@ def main() -> None:
             krows.append({"N": n, **r})
         if n == int(a.ns.split(",")[0]):
             print(profile_launch(recs, 30))
+            print("=== cProfile of whole calls (fast launcher)")
+            print(profile_call(x, w, t, 20))
         del x, w, t, recs
         torch.cuda.empty_cache()
     if a.out:

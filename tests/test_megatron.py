@@ -677,28 +677,17 @@ def _tp2_checks() -> dict:
     return errs
 
 
-def _megatron_worker(rank: int, world: int, tmp: str) -> None:
+def _in_megatron_rank(rank: int, world: int, tmp: str, checks) -> None:
+    """One gloo rank of ``run_ranks`` with Megatron's CPU shims: ``checks()`` returns the rank's errors (or
+    the rank's traceback is reported), saved for the test."""
     import torch.distributed as dist
 
     flce_dist.setup_reference_mode()
     torch.set_num_threads(1)
-    errs: dict = {}
     try:
         _megatron_shims()
-        from megatron.core import parallel_state
-
         dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-        if world == 1:
-            errs.update(_single_rank_checks())
-        else:  # 4 ranks: TP=4; then ranks 0 and 1 in a new world of 2: TP=2
-            errs.update(_tp4_checks(rank))
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-            if rank < 2:
-                dist.init_process_group("gloo", init_method=f"file://{tmp}/store2", rank=rank, world_size=2)
-                parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-                errs.update(_tp2_checks())
+        errs = checks()
     except Exception:  # noqa: BLE001  (reported by the test with the rank's traceback)
         errs = {"error": traceback.format_exc()}
     torch.save(errs, os.path.join(tmp, f"r{rank}.pt"))
@@ -706,14 +695,41 @@ def _megatron_worker(rank: int, world: int, tmp: str) -> None:
         dist.destroy_process_group()
 
 
+def _check_ranks(res: list, n_checks) -> None:
+    """Every rank's results: no error, every check within its tolerance, ``n_checks(rank)`` checks ran."""
+    for r, d in enumerate(res):
+        assert "error" not in d, f"rank {r}:\n{d['error']}"
+        _check(d, f"rank {r}")
+        assert len(d) == n_checks(r), (r, len(d))
+
+
+def _megatron_worker(rank: int, world: int, tmp: str) -> None:
+    def checks() -> dict:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        if world == 1:
+            return _single_rank_checks()
+        # 4 ranks: TP=4; then ranks 0 and 1 in a new world of 2: TP=2
+        errs = _tp4_checks(rank)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        if rank < 2:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/store2", rank=rank, world_size=2)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+            errs.update(_tp2_checks())
+        return errs
+
+    _in_megatron_rank(rank, world, tmp, checks)
+
+
 @needs_megatron
 def test_megatron_single_rank():
     """TP=1 in one forked process (Megatron's parallel state stays out of the pytest process)."""
     with tempfile.TemporaryDirectory() as tmp:
-        (res,) = run_ranks(_megatron_worker, 1, tmp, timeout=300)
-    assert "error" not in res, res.get("error")
-    assert len(res) == 250, len(res)  # every check ran
-    _check(res, "tp=1")
+        res = run_ranks(_megatron_worker, 1, tmp, timeout=300)
+    _check_ranks(res, lambda r: 250)  # every check ran
 
 
 @needs_megatron
@@ -722,10 +738,7 @@ def test_megatron_tensor_parallel():
     """TP=4 on 4 gloo ranks, then TP=2 on 2 of them."""
     with tempfile.TemporaryDirectory() as tmp:
         res = run_ranks(_megatron_worker, 4, tmp, timeout=600)
-    for r, d in enumerate(res):
-        assert "error" not in d, f"rank {r}:\n{d['error']}"
-        _check(d, f"rank {r}")
-        assert len(d) == (202 if r < 2 else 44), (r, len(d))  # TP=4 on every rank, then TP=2 on ranks 0 and 1
+    _check_ranks(res, lambda r: 202 if r < 2 else 44)  # TP=4 on every rank, then TP=2 on ranks 0 and 1
 
 
 def _cp_checks(rank: int) -> dict:
@@ -805,22 +818,13 @@ def _cp_checks(rank: int) -> dict:
 
 
 def _cp_worker(rank: int, world: int, tmp: str) -> None:
-    import torch.distributed as dist
-
-    flce_dist.setup_reference_mode()
-    torch.set_num_threads(1)
-    try:
-        _megatron_shims()
+    def checks() -> dict:
         from megatron.core import parallel_state
 
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
-        errs = _cp_checks(rank)
-    except Exception:  # noqa: BLE001  (reported by the test with the rank's traceback)
-        errs = {"error": traceback.format_exc()}
-    torch.save(errs, os.path.join(tmp, f"r{rank}.pt"))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        return _cp_checks(rank)
+
+    _in_megatron_rank(rank, world, tmp, checks)
 
 
 @needs_megatron
@@ -829,10 +833,7 @@ def test_megatron_context_parallel():
     """TP=2 x CP=2 on 4 gloo ranks: the head reduces over the output layer's TP group only."""
     with tempfile.TemporaryDirectory() as tmp:
         res = run_ranks(_cp_worker, 4, tmp, timeout=300)
-    for r, d in enumerate(res):
-        assert "error" not in d, f"rank {r}:\n{d['error']}"
-        _check(d, f"rank {r}")
-        assert len(d) == 18, (r, len(d))  # every check ran
+    _check_ranks(res, lambda r: 18)  # every check ran
 
 
 @needs_megatron

@@ -28,48 +28,45 @@ Used by ``launch._launch`` on CUDA tensors. Bounded: cleared at ``_MAX`` entries
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 _COMPILED: dict[tuple[Any, ...], Any] = {}
 _MAX = 1024
-_STATE: dict[str, Any] = {}  # lazily: the default launcher, triton's knobs, the raw-stream getter
 
 
+@functools.cache
 def fast_path_supported() -> bool:
     """Whether the installed triton's ``CompiledKernel.run`` takes the argument layout this module passes
     (triton 3.6 - 3.9: grid x3, stream, function, packed metadata, launch metadata, enter / exit hook, args)."""
-    got = _STATE.get("supported")
-    if got is None:
-        try:
-            import triton
+    try:
+        import triton
 
-            major, minor = (int(p) for p in triton.__version__.split(".")[:2])
-            got = (3, 6) <= (major, minor) <= (3, 9)
-        except (ImportError, ValueError):
-            got = False
-        _STATE["supported"] = got
-    return got
+        major, minor = (int(p) for p in triton.__version__.split(".")[:2])
+    except (ImportError, ValueError):
+        return False
+    return (3, 6) <= (major, minor) <= (3, 9)
 
 
+@functools.cache
 def _default_launcher() -> Any:
-    fn = _STATE.get("default")
-    if fn is None:
-        from helion.runtime import default_launcher as fn
+    from helion.runtime import default_launcher
 
-        _STATE["default"] = fn
-    return fn
+    return default_launcher
+
+
+@functools.cache
+def _runtime_knobs() -> Any:
+    from triton import knobs
+
+    return knobs.runtime
 
 
 def _hooks_active() -> bool:
     """Whether a Triton launch hook is registered (a HookChain with calls, or a plain callable)."""
-    knobs = _STATE.get("knobs")
-    if knobs is None:
-        from triton import knobs
-
-        _STATE["knobs"] = knobs
-    rt = knobs.runtime
+    rt = _runtime_knobs()
     for h in (rt.launch_enter_hook, rt.launch_exit_hook):
         if h is not None and getattr(h, "calls", True):
             return True

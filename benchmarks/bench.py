@@ -23,9 +23,9 @@ in the same mode in the same run (the ``3mm`` row: ``x @ W.T``, ``dy @ W``, ``dy
 matmuls as flce's default chunk plan issues them (``_timing.chunked_matmuls`` at ``plan_rows`` rows: cuBLAS alone).
 ``liger_cute`` (Liger 0.8.5's CuTe DSL SM90 FLCE, :func:`liger_cute_impls`) runs where its constraints allow
 (sm_90, bf16, N % 128 == 0, V % 256 == 0, the CuTe DSL importable); elsewhere its line says why it was skipped.
-``--rounds K`` (run 28) then times the steady fwd+bwd of the three matmuls and of every impl again in K
-interleaved rounds (order rotated per round) and reports each impl's median per-round ratio to flce
-(``vs_flce``, with its spread): a lead of a few % is only real where the rounds agree on it, since the
+``--rounds K`` (run 28; both timing modes since issue 53) then times the fwd+bwd of the three matmuls and of
+every impl again in K interleaved rounds per mode (order rotated per round; steady, then single calls) and
+reports each impl's median per-round ratio to flce (``vs_flce``, ``vs_flce_single``, with their spread): a lead of a few % is only real where the rounds agree on it, since the
 lent machines drift by several % between two single timings. Writes ``bench_<dtype>[_<data modes>].csv`` under
 ``benchmarks/results/`` (and ``--out``) and prints a table last.
 
@@ -217,8 +217,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     ap.add_argument("--impls", default="", help="comma list, e.g. flce,cce,cce_exact (default: all available)")
     ap.add_argument("--rounds", type=int, default=0,
-                    help="after each case, time the steady fwd+bwd of the three matmuls and of every impl again in K "
-                         "interleaved rounds and report each impl's median ratio to flce in the same round")
+                    help="after each case, time the fwd+bwd of the three matmuls and of every impl again in K "
+                         "interleaved rounds per timing mode (steady, single) and report each impl's median ratio "
+                         "to flce in the same round")
     common.add_timing_args(ap)
     args = ap.parse_args(argv)
     common.check_case_args(ap, args)
@@ -355,7 +356,7 @@ def run_case(name: str, mode: str, x: torch.Tensor, w: torch.Tensor, t: torch.Te
               f"  fwd {f_ms:7.2f} ms ({f_ms / mm:.2f}x 1mm)", flush=True)
         _empty_cache(x)
     if args.rounds:
-        interleave([r for r in rows[2:]], steps, x, w, args.rounds, plan)
+        interleave([r for r in rows[2:]], steps, x, w, args.rounds, tm, plan)
     del steps
     return rows
 
@@ -367,16 +368,17 @@ def fwd_bwd_steps(impls: dict, x: torch.Tensor, w: torch.Tensor, t: torch.Tensor
     return {k: common.fwd_bwd(functools.partial(fn, x, w, t), x, w) for k, fn in impls.items()}
 
 
-def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, rounds: int, plan: int = 0) -> None:
-    """For ``rows``, one case's impl rows (the impls that ran; ``steps`` from :func:`fwd_bwd_steps`): the steady
-    fwd+bwd of each and of the three distinct matmuls, timed again in ``rounds``
-    interleaved rounds (``_timing.interleaved_ms``): adds ``rounds_ms`` (median over rounds), ``vs_flce``
-    (median of the per-round ratio to flce; > 1 = slower than flce) with its spread ``vs_flce_min`` /
-    ``vs_flce_max``, and ``rounds_x3dist`` (median per-round ratio to the three matmuls) to the case's rows,
-    and prints flce's lead over its closest peer. With ``plan`` (flce's chunk rows, ``common.chunk_plan``;
-    run 31) the plan's cuBLAS work alone (``_timing.chunked_matmuls``) is a round entry too and each row gets
-    ``rounds_xplan`` (median per-round ratio to it): what flce costs over its own chunk plan, measured as
-    the peers are, not from one single timing. Nothing without a flce row."""
+def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, rounds: int, tm: common.Timers,
+               plan: int = 0) -> None:
+    """For ``rows``, one case's impl rows (the impls that ran; ``steps`` from :func:`fwd_bwd_steps`): the fwd+bwd
+    of each and of the three distinct matmuls timed again in ``rounds`` interleaved rounds of each timing mode
+    (``common.interleaved_modes``: steady, then single calls from an idle GPU). Adds, per mode (suffix ``""`` for
+    steady, ``_single`` for single), ``rounds<sfx>_ms`` (median over rounds), ``vs_flce<sfx>`` (median of the
+    per-round ratio to flce; > 1 = slower than flce) with its spread ``vs_flce<sfx>_min`` / ``_max``, and
+    ``rounds<sfx>_x3dist`` (median per-round ratio to the three matmuls), and prints flce's lead over every
+    peer per mode. With ``plan`` (flce's chunk rows, ``common.chunk_plan``; run 31) the plan's cuBLAS work
+    alone (``_timing.chunked_matmuls``) is a round entry too and each row gets ``rounds<sfx>_xplan``: what flce
+    costs over its own chunk plan, measured as the peers are. Nothing without a flce row."""
     timed = {r["impl"]: steps[r["impl"]] for r in rows}
     if "flce" not in timed:
         return
@@ -384,33 +386,43 @@ def interleave(rows: list[dict], steps: dict, x: torch.Tensor, w: torch.Tensor, 
     if plan and chunked_matmuls is not None:
         fns["plan"] = chunked_matmuls(x.detach(), w.detach(), plan)
     fns.update(timed)
-    per_round = interleaved_ms(fns, rounds)
-    vs_flce = paired_ratios(per_round, "flce")
-    vs_mm = paired_ratios(per_round, "3mm")
-    vs_plan = paired_ratios(per_round, "plan") if "plan" in fns else {}
+    by_mode = common.interleaved_modes(fns, rounds, tm)
     del fns
     torch.cuda.empty_cache()
-    for r in rows:
-        med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
-        r.update(rounds_ms=statistics.median(per_round[r["impl"]]), vs_flce=med, vs_flce_min=lo, vs_flce_max=hi,
-                 rounds_x3dist=vs_mm[r["impl"]][0])
-        if r["impl"] in vs_plan:
-            r["rounds_xplan"] = vs_plan[r["impl"]][0]
-    # peers: not the matmuls, not flce's own variants (the filter rows, another chunk budget or backend)
-    peers = {k: v for k, v in vs_flce.items() if k not in ("3mm", "plan") and not k.startswith("flce")}
-    line = f"  interleaved, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
+    for mode, per_round in by_mode.items():
+        sfx = "" if mode == "steady" else f"_{mode}"
+        vs_flce = paired_ratios(per_round, "flce")
+        vs_mm = paired_ratios(per_round, "3mm")
+        vs_plan = paired_ratios(per_round, "plan") if "plan" in per_round else {}
+        for r in rows:
+            med, lo, hi = vs_flce.get(r["impl"], (1.0, 1.0, 1.0))
+            r.update({f"rounds{sfx}_ms": statistics.median(per_round[r["impl"]]), f"vs_flce{sfx}": med,
+                      f"vs_flce{sfx}_min": lo, f"vs_flce{sfx}_max": hi, f"rounds{sfx}_x3dist": vs_mm[r["impl"]][0]})
+            if r["impl"] in vs_plan:
+                r[f"rounds{sfx}_xplan"] = vs_plan[r["impl"]][0]
+        print(lead_line(mode, rounds, per_round, vs_flce, vs_mm, vs_plan, plan), flush=True)
+
+
+def lead_line(mode: str, rounds: int, per_round: dict, vs_flce: dict, vs_mm: dict, vs_plan: dict, plan: int) -> str:
+    """One timing mode's rounds in a line: flce against the three matmuls (and its plan's cuBLAS work), then its
+    lead over each peer (not the matmuls, not flce's own variants: the filter rows, another chunk budget or
+    backend), the closest first, with the spread over rounds."""
+    line = f"  interleaved {mode}, {rounds} rounds: flce {statistics.median(per_round['flce']):.2f} ms = " \
            f"{vs_mm['flce'][0]:.3f}x the three matmuls"
     if vs_plan:
         med, lo, hi = vs_plan["flce"]
         line += f" = {med:.3f}x its {plan}-row plan's cuBLAS work ({statistics.median(per_round['plan']):.2f} ms;" \
                 f" rounds {lo:.3f}..{hi:.3f})"
+    line += "".join(f"; {k} {statistics.median(per_round[k]):.2f} ms" for k in vs_flce
+                    if k.startswith("flce") and k != "flce")
+    peers = {k: v for k, v in vs_flce.items() if k not in ("3mm", "plan") and not k.startswith("flce")}
     if peers:
         best = min(peers, key=lambda k: peers[k][0])
         med, lo, hi = peers[best]
-        line += f"; closest exact-or-default peer {best}: flce ahead by {100 * (med - 1):+.1f}% (rounds {100 * (lo - 1):+.1f}..{100 * (hi - 1):+.1f}%)"
+        line += f"; closest peer {best}: flce ahead by {100 * (med - 1):+.1f}% (rounds {100 * (lo - 1):+.1f}..{100 * (hi - 1):+.1f}%)"
         line += "".join(f"; {k} {100 * (m - 1):+.1f}% ({100 * (a - 1):+.1f}..{100 * (b - 1):+.1f}%)"
                         for k, (m, a, b) in sorted(peers.items()) if k != best)
-    print(line, flush=True)
+    return line
 
 
 TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "15"), ("single ms", "fwd_bwd_ms", "9.2f"),
@@ -418,8 +430,10 @@ TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "15"),
          ("host", "host_ms", "6.2f"), ("peak GiB", "mem_gib", "8.2f"), ("extra", "extra_gib", "6.2f"),
          ("fwd ms", "fwd_ms", "8.2f"), ("x1mm", "ratio_f", "6.2f"), ("fwd GiB", "fwd_mem_gib", "8.2f"),
          ("xplan", "ratio_plan", "6.2f")]
-# --rounds: the interleaved median and the median per-round ratio to flce (printed only when some row has them)
-ROUND_COLUMNS = [("rounds", "rounds_ms", "8.2f"), ("/flce", "vs_flce", "6.3f")]
+# --rounds: per mode (steady, then single) the interleaved median and the median per-round ratio to flce (printed
+# only when some row has them)
+ROUND_COLUMNS = [("rounds", "rounds_ms", "8.2f"), ("/flce", "vs_flce", "6.3f"), ("rnd 1", "rounds_single_ms", "8.2f"),
+                 ("/flce 1", "vs_flce_single", "7.3f")]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -69,7 +69,9 @@ each rank's median): ``fwd_bwd_ms`` = ``single_ms``, each call from an idle GPU 
 ``floor3_ms`` / ``floor3_steady_ms`` columns) timed in the same mode in the same run (the RL head's recompute plan issues 4: forward logits, backward logits, dX, dW). ``ratio`` /
 ``ratio_steady`` are to the flce_loss row of the same shape and data; ``peer`` names a Liger row's flce
 counterpart and ``vs_peer`` / ``vs_peer_steady`` its time over the peer's (> 1: Liger slower). ``mem_gib`` the
-per-rank peak above the inputs with the gradients (max over ranks; nan on CPU). Writes ``bench_rl_tp<P>.csv``
+per-rank peak above the inputs with the gradients (max over ranks; nan on CPU). ``--rounds K`` (one rank):
+every row and the three matmuls again in K interleaved rounds per timing mode (:func:`peer_rounds`), each Liger
+row's median per-round ratio to its flce counterpart (``vs_peer_rounds``, ``vs_peer_rounds_single``). Writes ``bench_rl_tp<P>.csv``
 (``_n<N>`` for N != 8192, ``_<modes>`` unless --data is the default) to benchmarks/results and --out (--cpu-smoke: ``bench_rl_tp<P>_smoke.csv`` to --out only);
 prints the table last. Rows carry the data mode's ``d_*`` numbers as in bench.py.
 """
@@ -80,6 +82,7 @@ import argparse
 import contextlib
 import csv
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -90,7 +93,7 @@ import common  # noqa: E402  (first: a flce_dist tree on PYTHONPATH wins, else t
 import data as bench_data  # noqa: E402
 import flce_dist  # noqa: E402
 from flce_dist import vocab_shard  # noqa: E402
-from flce_dist._timing import SHAPES, three_matmuls  # noqa: E402
+from flce_dist._timing import SHAPES, paired_ratios, three_matmuls  # noqa: E402
 from bench_tp import _CopyToTP  # noqa: E402
 
 IMPLS = ("flce_rl", "flce_rl_filter", "flce_rl_gather", "flce_loss", "flce_mean", "liger", "liger_sm90",
@@ -102,6 +105,8 @@ TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "16"),
          ("x3mm", "single_x3mm", "6.3f"), ("steady", "steady_ms", "8.2f"), ("x3mm", "steady_x3mm", "6.3f"),
          ("host", "host_ms", "6.2f"), ("x flce_loss", "ratio", "11.3f"), ("/peer", "vs_peer", "6.3f"),
          ("/peer st", "vs_peer_steady", "8.3f"), ("peak GiB/rank", "mem_gib", "14.2f")]
+# --rounds: each Liger row's median per-round ratio to its flce counterpart, steady and single (where some row has it)
+ROUND_COLUMNS = [("/peer rnd st", "vs_peer_rounds", "12.3f"), ("/peer rnd 1", "vs_peer_rounds_single", "11.3f")]
 SM90_CHECK_ENV = "LIGER_SCALED_CE_SM90_VALIDATE_TARGETS"  # Liger's switch for its forward's host-syncing target check
 RL_SHAPES = {**SHAPES, "tiny": (32, 1000)}  # tiny: --cpu-smoke
 TOL = {"flce_rl": 1e-3, "flce_rl_filter": 2e-2, "flce_rl_gather": 2e-2, "torch": 1e-3, "liger": 2e-2, "liger_sm90": 2e-2,
@@ -295,6 +300,31 @@ def check(pairs, xf, wf, t, temp, group, s, e, dev):
     return failed
 
 
+def peer_rounds(by_impl: dict[str, dict], steps: dict, floor, rounds: int, tm: common.Timers) -> None:
+    """The rows of one case (``by_impl``, the impls that ran; ``steps`` their fwd+bwd) and the three distinct
+    matmuls (``floor``) timed again in ``rounds`` interleaved rounds per timing mode (``common.interleaved_modes``):
+    each row gets ``rounds<sfx>_ms`` and ``rounds<sfx>_x3mm`` (suffix ``""`` steady, ``_single`` single), and a
+    Liger row whose flce counterpart (``PEERS``) ran also ``vs_peer_rounds<sfx>`` (median per-round ratio to it,
+    > 1 = slower than flce) with its spread; one line per mode prints flce's lead over each such peer."""
+    by_mode = common.interleaved_modes({"3mm": floor, **steps}, rounds, tm)
+    torch.cuda.empty_cache()
+    for mode, per_round in by_mode.items():
+        sfx = "" if mode == "steady" else f"_{mode}"
+        vs_mm = paired_ratios(per_round, "3mm")
+        leads = []
+        for k, r in by_impl.items():
+            r[f"rounds{sfx}_ms"] = statistics.median(per_round[k])
+            r[f"rounds{sfx}_x3mm"] = vs_mm[k][0]
+            ref = PEERS.get(k)
+            if ref in per_round:
+                med, lo, hi = paired_ratios({k: per_round[k], ref: per_round[ref]}, ref)[k]
+                r.update({f"vs_peer_rounds{sfx}": med, f"vs_peer_rounds{sfx}_min": lo, f"vs_peer_rounds{sfx}_max": hi})
+                leads.append(f"{ref} vs {k}: flce ahead by {100 * (med - 1):+.1f}% (rounds {100 * (lo - 1):+.1f}.."
+                             f"{100 * (hi - 1):+.1f}%)")
+        print(f"  interleaved {mode}, {rounds} rounds: " + "; ".join(
+            [f"{k} {statistics.median(v):.2f} ms" for k, v in per_round.items()] + leads), flush=True)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     common.add_case_args(ap, shapes=None, n=None, reps=None, helps=dict(
@@ -308,6 +338,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-smoke", action="store_true", help="--device cpu, shape tiny (H=32, V=1000), N=64")
     ap.add_argument("--liger-target-check", action="store_true",
                     help="liger_sm90 rows: keep Liger's host-syncing target range check on (default: off, as flce)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="after each case, time every impl's fwd+bwd and the three matmuls again in K interleaved "
+                         "rounds per timing mode (steady, single) and report each Liger row's median per-round "
+                         "ratio to its flce counterpart (one rank only)")
     common.add_timing_args(ap)
     ap.set_defaults(steady_calls=None)
     args = ap.parse_args(argv)
@@ -319,6 +353,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steady_calls = args.steady_calls or (2 if smoke else common.STEADY_CALLS)
     common.check_case_args(ap, args, RL_SHAPES)
     common.check_timing_args(ap, args)
+    if args.rounds < 0:
+        ap.error(f"--rounds must be >= 0, got {args.rounds}")
+    if args.rounds and "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        ap.error("--rounds times one rank's calls in turn: run it without torchrun (one rank)")
     bad = [i for i in args.impls.split(",") if i not in IMPLS]
     if bad:
         ap.error(f"unknown {bad} (impls: {list(IMPLS)})")
@@ -401,8 +439,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f1, f2 = (_max_over_ranks(v, dev, group) for v in (tm.single(floor), tm.steady(floor)))
         floor = xd = wd = None
         say(f"  3mm {f1:.2f} ms single, {f2:.2f} steady")
+        steps = {}
         for iname in live:
-            fb = common.fwd_bwd(objs[iname], x, w)
+            fb = steps[iname] = common.fwd_bwd(objs[iname], x, w)
             row = dict(shape=name, data=mode, impl=iname, P=p, N=args.n, T=temp, fwd_bwd_ms=nan, ratio=nan, mem_gib=nan,
                        note=notes.get(iname, ""), single_ms=nan, steady_ms=nan, host_ms=nan, single_x3mm=nan,
                        steady_x3mm=nan, ratio_steady=nan, peer=PEERS.get(iname, ""), vs_peer=nan, vs_peer_steady=nan,
@@ -427,6 +466,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"{row['mem_gib']:.2f} GiB", flush=True)
             shape_rows.append({**row, **dcols})
         by_impl = {r["impl"]: r for r in shape_rows}
+        if args.rounds:
+            peer_rounds(by_impl, {k: steps[k] for k in by_impl}, three_matmuls(x.detach(), w.detach()), args.rounds, tm)
+        steps = None
         anchor = by_impl.get("flce_loss")
         for r in shape_rows:
             if anchor is not None:
@@ -452,7 +494,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"\nTP={p} {devname} bf16 N={args.n} T={temp} beta={beta}  (obj = (adv*logp).sum() + beta*entropy.sum();"
               f" single = one call from an idle GPU, {args.idle_ms:g} ms sleep after a sync; steady = {args.steady_calls}"
               f" calls back to back behind one, per call; host = single - steady; /peer = this row over its flce peer)")
-        common.print_table(rows, TABLE + [("note", "note", "")], None)
+        rnd = ROUND_COLUMNS if any("rounds_ms" in r for r in rows) else []
+        common.print_table(rows, TABLE + rnd + [("note", "note", "")], None)
     if dist.is_initialized():
         dist.destroy_process_group()
     return rows

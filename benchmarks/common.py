@@ -300,3 +300,19 @@ def mode_cols(single: float, steady: float, floor_single: float, floor_steady: f
     prologue by about that much; ``host_adj_ms`` compares both modes at the same clocks."""
     return dict(single_ms=single, steady_ms=steady, host_ms=single - steady, single_x3mm=single / floor_single,
                 steady_x3mm=steady / floor_steady, host_adj_ms=(single - steady) - (floor_single - floor_steady))
+
+
+ROUND_MODES = ("steady", "single")
+ROUND_SINGLE_REPS = 5  # single calls per entry per round (each from an idle GPU; median)
+
+
+def interleaved_modes(fns: dict[str, Callable[[], object]], rounds: int, tm: Timers) -> dict[str, dict[str, list[float]]]:
+    """``{mode: {name: [ms per round]}}`` for both timing modes (issue 53): ``rounds`` interleaved rounds
+    (``_timing.interleaved_ms``: every entry once per round, the order rotated per round) of ``tm.steady``
+    (3 samples) and then of ``tm.single`` (``ROUND_SINGLE_REPS`` calls from an idle GPU, median). A lead of a
+    few % between two implementations is real only where the per-round ratios (``_timing.paired_ratios``)
+    agree on it: the lent machines drift by several % between two single timings of one process."""
+    from flce_dist._timing import interleaved_ms
+
+    return {"steady": interleaved_ms(fns, rounds, timer=lambda fn: tm.steady(fn, 3)),
+            "single": interleaved_ms(fns, rounds, timer=lambda fn: tm.single(fn, ROUND_SINGLE_REPS))}

@@ -537,7 +537,7 @@ step_cutedsl() {
 # idle GPU, steady) and both data modes, one process per "N:shapes" in CUTE_RUNS (default llama3 at N=1024 4096
 # 8192; a second call CUTE_RUNS=8192:qwen3,gemma, where CuTe skips V % 256 != 0 with its reason); after quack1 +
 # quack2 (or cutedsl) on the same machine (CUTE_IMPLS, BENCH_DATA, BENCH_REPS=10, CUTE_TIMEOUT=170 per run,
-# ISSUE_ROUNDS=0, BENCH_TAIL=16)
+# ISSUE_ROUNDS=0: K interleaved rounds per timing mode, BENCH_TAIL=16)
 step_benchcute() {
   step_cutedsl
   for run in ${CUTE_RUNS:-1024:llama3 4096:llama3 8192:llama3}; do
@@ -551,14 +551,15 @@ step_benchcute() {
 # bench_rl.py with Liger's CuTe DSL fused scaled CE (liger_sm90 with the entropy, liger_sm90_noent without) beside
 # flce_rl / flce_loss, both timing modes, one process per "N:shapes" in RLCUTE_RUNS (default N=1024 and 8192 at llama3
 # and qwen3; also 2048) and temperature in RL_TEMPS (default 0.7; a second call RL_TEMPS=1.0); after quack1 + quack2
-# (or cutedsl) (RLCUTE_IMPLS, BENCH_DATA, RL_REPS=10, RL_TIMEOUT=250, RL_TAIL=12)
+# (or cutedsl) (RLCUTE_IMPLS, BENCH_DATA, RL_REPS=10, RL_TIMEOUT=250, RL_TAIL=12; RL_ROUNDS=K: every row again in K
+# interleaved rounds per timing mode, each Liger row's median per-round ratio to its flce row)
 step_rlcute() {
   step_cutedsl
   for temp in ${RL_TEMPS:-0.7}; do
     for run in ${RLCUTE_RUNS:-1024:llama3,qwen3 8192:llama3,qwen3}; do
       timeout ${RL_TIMEOUT:-250} python3 benchmarks/bench_rl.py --out "$OUT" --n "${run%%:*}" --shapes "${run#*:}" \
         --impls ${RLCUTE_IMPLS:-flce_rl,flce_loss,liger_sm90,liger_sm90_noent} --temperature "$temp" \
-        --data ${BENCH_DATA:-random,realistic} --reps ${RL_REPS:-10} 2>&1 | flt \
+        --data ${BENCH_DATA:-random,realistic} --reps ${RL_REPS:-10} --rounds ${RL_ROUNDS:-0} 2>&1 | flt \
         | tee "$OUT/rlcute_${run%%:*}_${run#*:}_T$temp.log" | tail -${RL_TAIL:-12}
     done
   done

@@ -152,3 +152,36 @@ def test_sm90_target_check_switch(monkeypatch):
     assert fn is None and why == "a single-GPU kernel (TP=1 only)"
     fn, why = bench_rl.liger_sm90_fn(torch.device("cpu"), 1, torch.bfloat16, False)
     assert fn is None and "sm_90" in why
+
+
+def test_rounds_pair_each_liger_row_with_its_flce_row(monkeypatch, capsys):
+    """``--rounds`` (issue 53): the rows and the three matmuls timed again in interleaved rounds per timing mode; a
+    Liger row gets its median per-round ratio to its flce counterpart (``PEERS``), each mode apart; rounds that drift
+    together cancel. On the CPU smoke path the columns are there for every row; refused under torchrun."""
+    base = {"3mm": 1.0, "flce_rl": 2.0, "liger_sm90": 2.2, "flce_loss": 1.5, "liger_sm90_noent": 1.5 * 1.04}
+    single = dict(base, liger_sm90=2.0 * 1.06)
+
+    def fake(fns, rounds, tm):
+        assert set(fns) == set(base)
+        return {m: {k: [b[k] * 1.1 ** r for r in range(rounds)] for k in fns} for m, b in
+                (("steady", base), ("single", single))}
+
+    monkeypatch.setattr(bench_rl.common, "interleaved_modes", fake)
+    by_impl = {k: dict(impl=k) for k in base if k != "3mm"}
+    bench_rl.peer_rounds(by_impl, {k: None for k in by_impl}, None, 3, None)
+    assert by_impl["liger_sm90"]["vs_peer_rounds"] == pytest.approx(1.1)
+    assert by_impl["liger_sm90"]["vs_peer_rounds_single"] == pytest.approx(1.06)
+    assert by_impl["liger_sm90_noent"]["vs_peer_rounds"] == pytest.approx(1.04)
+    assert "vs_peer_rounds" not in by_impl["flce_rl"] and by_impl["flce_rl"]["rounds_x3mm"] == pytest.approx(2.0)
+    out = capsys.readouterr().out
+    assert "interleaved steady, 3 rounds" in out and "flce_rl vs liger_sm90: flce ahead by +10.0%" in out
+    assert "interleaved single, 3 rounds" in out and "flce_rl vs liger_sm90: flce ahead by +6.0%" in out
+    monkeypatch.undo()
+    rows = bench_rl.main(["--cpu-smoke", "--data", "random", "--impls", "flce_loss,torch", "--rounds", "2"])
+    assert all(r["rounds_ms"] > 0 and r["rounds_single_ms"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        bench_rl.parse_args(["--cpu-smoke", "--rounds", "-1"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        bench_rl.parse_args(["--cpu-smoke", "--rounds", "2"])

@@ -205,9 +205,12 @@ def test_bench_chunk_plan_and_table(capsys):
     bench.print_table([row])
     out = capsys.readouterr().out
     assert "xplan" in out.splitlines()[0] and out.splitlines()[1].rstrip().endswith("1.01")
-    bench.print_table([dict(row, rounds_ms=38.5, vs_flce=1.0), dict(row, impl="liger_c16", rounds_ms=40.0, vs_flce=1.039)])
+    bench.print_table([dict(row, rounds_ms=38.5, vs_flce=1.0, rounds_single_ms=39.5, vs_flce_single=1.0),
+                       dict(row, impl="liger_c16", rounds_ms=40.0, vs_flce=1.039, rounds_single_ms=40.3,
+                            vs_flce_single=1.021)])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[-2:] == ["rounds", "/flce"] and lines[2].rstrip().endswith("40.00  1.039")
+    assert lines[0].split()[-6:] == ["rounds", "/flce", "rnd", "1", "/flce", "1"]
+    assert lines[2].rstrip().endswith("40.00  1.039    40.30   1.021")
 
 
 def test_plot_per_data_mode(tmp_path, monkeypatch):
@@ -715,34 +718,53 @@ def test_interleaved_rounds_pair_each_round(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(["--rounds", "2"])
         assert bench.parse_args([]).rounds == 0
-    # interleave() on CPU with the fake timer standing in for cuda_steady_ms: the rows of the case get the columns
-    monkeypatch.setattr(bench, "interleaved_ms", lambda f, rounds: _timing.interleaved_ms(
-        {k: fns[k] for k in f}, rounds, timer))
+    # both timing modes' rounds (issue 53), for real on the CPU: every entry once per round and mode
+    import common
+
+    tm = common.Timers(reps=2, steady_calls=2, idle_ms=0, device="cpu", warmup=1)
+    got = common.interleaved_modes({"a": lambda: None, "b": lambda: None}, 3, tm)
+    assert set(got) == {"steady", "single"} and all(len(v) == 3 for m in got.values() for v in m.values())
+    # interleave() on CPU with fake timers standing in for both modes: steady as above, single with A 3% slower
+    # than flce (B as steady): the rows of the case get each mode's columns
+    single_base = dict(base, A=1.04 * 1.03)
+
+    def single_timer(fn):
+        return single_base[fn.name]
+
+    monkeypatch.setattr(bench.common, "interleaved_modes", lambda f, rounds, tm_: {
+        "steady": _timing.interleaved_ms({k: fns[k] for k in f}, rounds, timer),
+        "single": _timing.interleaved_ms({k: fns[k] for k in f}, rounds, single_timer)})
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
     calls[:] = []
     rows = [dict(shape="s", data="random", impl="matmul")] + [dict(shape="s", data="random", impl=k)
                                                                 for k in ("flce", "A", "B")]
     x, w = torch.randn(5, 3), torch.randn(7, 3)
-    bench.interleave(rows[1:], {k: fns[k] for k in ("flce", "A", "B")}, x, w, 3)
+    bench.interleave(rows[1:], {k: fns[k] for k in ("flce", "A", "B")}, x, w, 3, tm)
     assert "rounds_ms" not in rows[0]
     assert rows[3]["vs_flce"] == pytest.approx(1.02) and rows[2]["vs_flce"] == pytest.approx(0.95)
     assert rows[1]["vs_flce"] == 1.0 and rows[1]["rounds_x3dist"] == pytest.approx(1.04)
+    assert rows[2]["vs_flce_single"] == pytest.approx(1.03) and rows[3]["vs_flce_single"] == pytest.approx(1.02)
+    assert rows[1]["rounds_single_ms"] == pytest.approx(1.04) and rows[2]["vs_flce_single_min"] == pytest.approx(1.03)
     out = capsys.readouterr().out
-    assert "closest exact-or-default peer A: flce ahead by -5.0%" in out
+    steady_line, single_line = (ln for ln in out.splitlines() if "interleaved" in ln)
+    assert "interleaved steady, 3 rounds" in steady_line and "closest peer A: flce ahead by -5.0%" in steady_line
+    assert "interleaved single, 3 rounds" in single_line and "closest peer B: flce ahead by +2.0%" in single_line
+    assert "A +3.0%" in single_line
     # with flce's chunk plan (run 31): its cuBLAS work is a round entry, never a peer; rows get rounds_xplan
-    base["plan"] = 1.01
+    base["plan"] = single_base["plan"] = 1.01
     plan_fn = (lambda: None)
     plan_fn.name = "plan"
     fns["plan"] = plan_fn
     made = []
     monkeypatch.setattr(bench, "chunked_matmuls", lambda x_, w_, rows_: made.append(rows_) or plan_fn)
     calls[:] = []
-    bench.interleave(rows[1:], {k: fns[k] for k in ("flce", "A", "B")}, x, w, 3, plan=4)
+    bench.interleave(rows[1:], {k: fns[k] for k in ("flce", "A", "B")}, x, w, 3, tm, plan=4)
     assert made == [4] and "plan" in calls
     assert rows[1]["rounds_xplan"] == pytest.approx(1.04 / 1.01) and rows[3]["rounds_xplan"] == pytest.approx(1.04 * 1.02 / 1.01)
+    assert rows[2]["rounds_single_xplan"] == pytest.approx(1.04 * 1.03 / 1.01)
     out = capsys.readouterr().out
     assert f"= {1.04 / 1.01:.3f}x its 4-row plan's cuBLAS work" in out
-    assert "closest exact-or-default peer A" in out and "plan " not in out.split("closest")[1]
+    assert "closest peer A" in out and "plan " not in out.split("closest")[1]
 
 
 def test_bench_steps_bind_each_impl_and_csv_takes_new_columns(tmp_path, monkeypatch):
@@ -811,14 +833,15 @@ def test_bench_rounds_compare_flce_with_peers_not_its_own_variants(monkeypatch, 
         fn = (lambda: None)
         fn.name = k
         fns[k] = fn
-    monkeypatch.setattr(bench, "interleaved_ms", lambda f, rounds: _timing.interleaved_ms(
-        {k: fns[k] for k in f}, rounds, lambda fn: base[fn.name]))
+    monkeypatch.setattr(bench.common, "interleaved_modes", lambda f, rounds, tm: {m: _timing.interleaved_ms(
+        {k: fns[k] for k in f}, rounds, lambda fn: base[fn.name]) for m in ("steady", "single")})
     monkeypatch.setattr(bench.torch.cuda, "empty_cache", lambda: None)
     names = ("flce", "flce_onechunk", "A", "B")
     rows = [dict(shape="s", data="random", impl=k) for k in names]
-    bench.interleave(rows, {k: fns[k] for k in names}, torch.randn(5, 3), torch.randn(7, 3), 2)
+    bench.interleave(rows, {k: fns[k] for k in names}, torch.randn(5, 3), torch.randn(7, 3), 2, None)
     out = capsys.readouterr().out
-    assert "closest exact-or-default peer A: flce ahead by +3.0% (rounds +3.0..+3.0%); B +5.0% (+5.0..+5.0%)" in out
+    assert out.count("closest peer A: flce ahead by +3.0% (rounds +3.0..+3.0%); B +5.0% (+5.0..+5.0%)") == 2
+    assert out.count("flce_onechunk 1.00 ms") == 2  # flce's own variant: its time, not a lead
     assert rows[1]["vs_flce"] == pytest.approx(1.0 / 1.04)  # the variant's row still has its ratio
 
 

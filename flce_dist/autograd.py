@@ -47,9 +47,11 @@ class FLCEFunction(torch.autograd.Function):
         # only the gradients some input needs: a frozen lm_head (LoRA / PEFT) skips the dW matmul
         # and buffer, a hidden without a gradient the dX matmul and its all-reduce
         ctx.need_dx, ctx.need_dw = bool(need[0]), bool(need[1] or need[2])
-        loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all, ctx.tw) = flce_forward(
+        # keep_logits: a recompute-strategy call whose logits fit one chunk keeps them for the backward (3 matmuls,
+        # not 4; core.keeps_logits)
+        loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all, ctx.tw, kept) = flce_forward(
             hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw, loss_weights,
-            copy_lse=p.return_lse)  # the API returns lse only with return_lse: no copy of the saved one otherwise
+            copy_lse=p.return_lse, keep_logits=True)  # the API returns lse only with return_lse: no copy otherwise
         if needs_grad:
             # inputs cost nothing to keep (x is this rank's hidden, also under sequence parallelism);
             # they let a second backward (retain_graph, gradcheck) of the fused strategy recompute,
@@ -59,9 +61,10 @@ class FLCEFunction(torch.autograd.Function):
         if ent is None:
             ent = loss.new_empty(0)
             ctx.mark_non_differentiable(ent)
-        # Precomputed gradients live on ctx, not in saved_tensors: the backward drops ctx's
-        # reference so that autograd can take dW without a copy (a copy would double its memory).
-        ctx.pre, ctx.p, ctx.group, ctx.w_dtype = pre, p, group, weight.dtype
+        # Precomputed gradients and kept logits live on ctx, not in saved_tensors: the backward drops ctx's
+        # reference so that autograd can take dW without a copy (a copy would double its memory), and the
+        # kept logits become dz in place, once (a second backward recomputes them).
+        ctx.pre, ctx.kept, ctx.p, ctx.group, ctx.w_dtype = pre, kept, p, group, weight.dtype
         ctx.mark_non_differentiable(lse, correct)
         ctx.loss_shape = loss.shape
         return loss, lse, correct, ent
@@ -83,7 +86,8 @@ class FLCEFunction(torch.autograd.Function):
                 scaled = scale_weighted(pre, grad_loss, ctx.tw, valid, ctx.p, ctx.group, ctx.w_dtype)
             if scaled is not None:
                 return *scaled, None, None, None, None, None
+        kept, ctx.kept = ctx.kept, None
         dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent,
-                                     ctx.need_dx, ctx.need_dw, ctx.tw)
+                                     ctx.need_dx, ctx.need_dw, ctx.tw, kept)
         return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
                 None, None, None, None, None)

@@ -441,20 +441,24 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
 def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
                        lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
                        mu: torch.Tensor | None = None, gh: torch.Tensor | None = None,
-                       need_dx: bool = True, need_dw: bool = True):
+                       need_dx: bool = True, need_dw: bool = True, kept: torch.Tensor | None = None):
     """dX (summed over the group unless sequence-parallel or ``p.partial_dx``: then this rank's
     partial), dW, db by vocab chunks; with ``mu``,
     ``gh`` [N] the entropy's gradient in the same pass. ``need_dx`` / ``need_dw`` False: that
     gradient is None and its matmuls (and, for dX, the all-reduce and the float32 accumulator) are
-    skipped: a frozen lm_head costs 2 matmuls, a hidden without a gradient 3 and no collective."""
+    skipped: a frozen lm_head costs 2 matmuls, a hidden without a gradient 3 and no collective.
+    ``kept`` [N, V_r] (the forward's logits, :func:`keeps_logits`): one chunk of all V_r columns, no
+    logits matmul, dz formed in place in it, dX = dz @ W straight in x's dtype (no float32 accumulator)."""
     reduce_dx = not p.partial_dx
     n, _ = x.shape
     v = w.shape[0]
     acc = acc_dtype(x.dtype)
-    # the float32 dX accumulator is the one buffer besides the chunk that is not a returned gradient
-    cols = chunk_rows(v, n, x.element_size(), x.device, p.settings,
-                      reserved_bytes=x.numel() * acc.itemsize if need_dx else 0, share=group_size(group))
-    dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx else None
+    if kept is not None:
+        cols = max(1, v)
+    else:  # the float32 dX accumulator is the one buffer besides the chunk that is not a returned gradient
+        cols = chunk_rows(v, n, x.element_size(), x.device, p.settings,
+                          reserved_bytes=x.numel() * acc.itemsize if need_dx else 0, share=group_size(group))
+    dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx and kept is None else None
     dw = torch.empty_like(w) if need_dw else None
     db = torch.empty(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None and need_dw else None
     kw = _grad_kw(p)
@@ -486,7 +490,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 wc, bc = w[j:j + cols], None if b is None else b[j:j + cols]
             else:  # this chunk's rows of the sorted shard (a chunk-sized copy)
                 wc, bc = order.rows(w, j, j + cols), order.rows(b, j, j + cols)
-            z = K.logits(x, wc, bc)
+            z = K.logits(x, wc, bc) if kept is None else kept
         keep = None
         if order is not None:
             keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
@@ -494,10 +498,10 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 K.dx_masked(z, wc, keep, dx, True, p.settings, w_perm=pc)
         else:
             K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
-            if need_dx:
+            if need_dx and kept is None:
                 dx += torch.mm(z, wc)
         if need_dx and j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
-            out = dx.to(x.dtype)
+            out = dx.to(x.dtype) if kept is None else torch.mm(z, wc)
             if reduce_dx and not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
         if not need_dw:
@@ -525,16 +529,36 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return (out if need_dx else None), dw, db
 
 
+def keeps_logits(x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
+                 needs_grad: bool, fused: bool) -> bool:
+    """Whether a recompute-strategy call keeps its forward's logits for the backward (``flce_forward``'s
+    ``keep_logits``): a gradient is needed, the strategy is not an explicit ``"recompute"`` (which keeps the
+    least memory: one vocab chunk, only in the backward), no gradient filter (its sorted order is formed in the
+    backward), a non-empty batch and shard, and all N rows of ``[N, ceil(V / P)]`` logits fit one chunk of the
+    budget (``chunking.chunk_rows``, as the fused strategy plans: at llama3 on one GPU N <= 3968 of bf16). The
+    decision depends only on shapes, dtype, options and settings; it changes no collective."""
+    if fused or not needs_grad or p.strategy == "recompute" or p.options.filter_eps(x.dtype):
+        return False
+    n, tp = x.shape[0], group_size(group)
+    v = max(w.shape[0], -(-p.vocab_size // tp))
+    return n > 0 and w.shape[0] > 0 and chunk_rows(n, v, x.element_size(), x.device, p.settings, share=tp) >= n
+
+
 def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                  num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool,
                  need_dx: bool = True, need_dw: bool = True, loss_weights: torch.Tensor | None = None,
-                 copy_lse: bool = True):
+                 copy_lse: bool = True, keep_logits: bool = False):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
     tokens; None without ``return_entropy``); ``pre`` = (dX, dW, db) formed by the fused strategy
     (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid, entropy of
-    all rows or None, the token weights of all rows or None), what the backward needs; under
+    all rows or None, the token weights of all rows or None, the kept logits or None), what the backward
+    needs. ``keep_logits`` (the eager Function): where the recompute strategy's backward will run and
+    :func:`keeps_logits` holds (all N rows of the shard's logits within one chunk of the budget), the
+    forward's pass stores them (the fused strategy's logits-storing pass, with the entropy column when
+    asked) and the backward forms dz from them in place: 3 matmuls instead of 4, at most one chunk of
+    the budget held from forward to backward (as the fused strategy holds its dW); under
     sequence parallelism ``x`` is this rank's ``hidden`` (not the gathered ``[P n, H]``):
     :func:`recompute_grads` gathers it again, as
     Megatron's sequence-parallel linears do. ``need_dx`` / ``need_dw``: which gradients the fused
@@ -558,7 +582,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     # shard-local ids, the valid and bad-target masks (one launch, kernels/targets.py), the token weights, the
     # mean's denominator and the row weights: formed where the fused pass needs them (_Tokens), else here
     tokens = _Tokens(tgt, lw, p, weight.shape[0], num_items, acc)
-    pre = None
+    pre = kept = None
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy, lw is not None)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None, need_dw) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
@@ -569,6 +593,10 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
+    elif keep_logits and keeps_logits(x, weight, p, group, needs_grad, fused):
+        kept = x.new_empty(x.shape[0], weight.shape[0])
+        stats = guard.combine(K.lse_forward(x, weight, bias, tokens.tl, p.logit_scale, p.cap, p.needs_sum, p.settings,
+                                            z_out=kept, with_ent=p.return_entropy, prepare=tokens.targets))
     else:
         tokens.targets()
         stats = forward_stats(x, weight, bias, tokens.tl, p, guard)
@@ -595,7 +623,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if p.return_entropy:
         ent_all = torch.where(valid, stats[:, 4], torch.zeros_like(stats[:, 4]))
         ent = ent_all[rank_slice].clone()
-    return loss, lse, correct, ent, pre, (hidden if sp else x, tl, lse_all, valid, ent_all, tw)
+    return loss, lse, correct, ent, pre, (hidden if sp else x, tl, lse_all, valid, ent_all, tw, kept)
 
 
 def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,
@@ -669,14 +697,15 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
                     valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
                     group: dist.ProcessGroup | None, ent: torch.Tensor | None = None,
                     grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True,
-                    loss_weights: torch.Tensor | None = None):
+                    loss_weights: torch.Tensor | None = None, kept: torch.Tensor | None = None):
     """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype;
     None for a gradient not needed). ``x``: this rank's hidden under sequence parallelism
     (all-gathered here again: one more all-gather, instead of keeping [P n, H] between forward and
     backward). ``ent`` [N] (all rows) and ``grad_ent`` [N_in] (this rank's rows): the entropy and
     its incoming gradient, when the entropy was returned and used. ``p.partial_dx``: this rank's
     partial dX (see :func:`flce_forward`). ``loss_weights`` [N] (all rows): the token weights
-    of a scalar reduction (``"none"`` returns unweighted losses: its gradient is grad_output alone)."""
+    of a scalar reduction (``"none"`` returns unweighted losses: its gradient is grad_output alone).
+    ``kept`` [N, V_r]: the forward's logits of all rows (:func:`keeps_logits`), overwritten by dz here."""
     sp = p.sequence_parallel and group_size(group) > 1
     if sp:
         x = all_gather_rows(x, group)
@@ -694,7 +723,7 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
         gh = all_gather_rows(gh.contiguous(), group) if sp else gh
         gh = torch.where(valid, gh, torch.zeros_like(gh)).contiguous()
         mu = (lse - ent).contiguous()
-    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh, need_dx, need_dw)
+    dx, dw, db = recompute_backward(x, w, b, tl, lse, g.contiguous(), p, group, mu, gh, need_dx, need_dw, kept)
     if sp and dx is not None:
         dx = reduce_scatter_rows(dx, group, p.deterministic)
     return dx, dw, None if db is None else db.to(w.dtype)

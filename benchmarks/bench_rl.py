@@ -2,7 +2,7 @@
 
     python benchmarks/bench_rl.py [--shapes llama3,qwen3,gemma] [--n 8192] [--data random,realistic]
         [--impls flce_rl,flce_loss,flce_mean,liger,liger_sm90,liger_sm90_noent,torch (default; also
-                 flce_rl_filter,flce_rl_gather)]
+                 flce_rl_filter,flce_rl_gather,flce_rl_recompute,flce_loss_recompute)]
         [--temperature 0.7] [--beta 0.01] [--reps 10] [--steady-calls 4] [--idle-ms 2] [--liger-target-check]
         [--check-n 512] [--out DIR]                                     # TP=1, one GPU
     torchrun --nproc_per_node=2 benchmarks/bench_rl.py [same options]    # TP=2 (NCCL)
@@ -21,6 +21,10 @@ bf16 inputs, target = the data mode's. Rows (``--impls``):
   flce_rl_gather  the same filter with Settings(filter_order="gather") (the default from run 30): each vocab
              chunk's sorted rows read through the order, no copy of W (at these N the recompute plan's one vocab
              chunk is all of W_r).
+  flce_rl_recompute  flce_rl's call through fused_linear_cross_entropy(..., reduction="none", return_entropy=True,
+             strategy="recompute"): logp = -loss; the recompute strategy that never keeps the forward's logits (4
+             matmuls), against flce_rl's kept logits (3 matmuls where all N rows fit one chunk, issue 53)
+  flce_loss_recompute  flce_loss with strategy="recompute"
   flce_loss  the anchor (issue #16: flce_rl <= 1.10 x this row): fused_linear_cross_entropy(..., reduction="none",
              temperature=T), obj = (adv * -loss).sum(); no entropy (reduction="none": the recompute strategy).
   flce_mean  context: the default reduction="mean" loss at temperature T (the fused strategy), obj = loss.
@@ -96,7 +100,7 @@ from flce_dist import vocab_shard  # noqa: E402
 from flce_dist._timing import SHAPES, paired_ratios, three_matmuls  # noqa: E402
 from bench_tp import _CopyToTP  # noqa: E402
 
-IMPLS = ("flce_rl", "flce_rl_filter", "flce_rl_gather", "flce_loss", "flce_mean", "liger", "liger_sm90",
+IMPLS = ("flce_rl", "flce_rl_filter", "flce_rl_gather", "flce_rl_recompute", "flce_loss", "flce_loss_recompute", "flce_mean", "liger", "liger_sm90",
          "liger_sm90_noent", "torch")
 # the filter rows on request
 DEFAULT_IMPLS = ("flce_rl", "flce_loss", "flce_mean", "liger", "liger_sm90", "liger_sm90_noent", "torch")
@@ -109,7 +113,7 @@ TABLE = [("shape", "shape", "8"), ("data", "data", "9"), ("impl", "impl", "16"),
 ROUND_COLUMNS = [("/peer rnd st", "vs_peer_rounds", "12.3f"), ("/peer rnd 1", "vs_peer_rounds_single", "11.3f")]
 SM90_CHECK_ENV = "LIGER_SCALED_CE_SM90_VALIDATE_TARGETS"  # Liger's switch for its forward's host-syncing target check
 RL_SHAPES = {**SHAPES, "tiny": (32, 1000)}  # tiny: --cpu-smoke
-TOL = {"flce_rl": 1e-3, "flce_rl_filter": 2e-2, "flce_rl_gather": 2e-2, "torch": 1e-3, "liger": 2e-2, "liger_sm90": 2e-2,
+TOL = {"flce_rl": 1e-3, "flce_rl_recompute": 1e-3, "flce_rl_filter": 2e-2, "flce_rl_gather": 2e-2, "torch": 1e-3, "liger": 2e-2, "liger_sm90": 2e-2,
        "liger_sm90_noent": 2e-2}
 LIGER = ("liger", "liger_sm90", "liger_sm90_noent")  # bf16-only kernels: checked in bf16
 
@@ -167,6 +171,15 @@ def flce_rl_fn(filter_order: str | None = None):
         return flce_dist.logprobs_and_entropy(x, w, t, group=group, vocab_size=vocab, temperature=temp,
                                               grad_filter_eps="auto", settings=st)
     return rl_filter, f"grad_filter_eps='auto', filter_order={filter_order}"
+
+
+def flce_rl_recompute_fn():
+    """flce_rl's (logp, entropy) through the loss with ``strategy="recompute"`` (never keeps the logits)."""
+    def rl(x, w, t, temp, group, start, vocab):
+        loss, ent = flce_dist.fused_linear_cross_entropy(x, w, t, group=group, vocab_size=vocab, temperature=temp,
+                                                         reduction="none", return_entropy=True, strategy="recompute")
+        return -loss, ent
+    return rl, "strategy='recompute' (4 matmuls)"
 
 
 def liger_fn(dev, p, dtype):
@@ -389,7 +402,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     impls = args.impls.split(",")
     tnote = "Megatron fp32 shard logits" if p > 1 else "materialised fp32 logits"
     getters = {"flce_rl": flce_rl_fn, "flce_rl_filter": lambda: flce_rl_fn("copy"),
-               "flce_rl_gather": lambda: flce_rl_fn("gather"), "liger": lambda: liger_fn(dev, p, dt),
+               "flce_rl_gather": lambda: flce_rl_fn("gather"), "flce_rl_recompute": flce_rl_recompute_fn, "liger": lambda: liger_fn(dev, p, dt),
                "liger_sm90": lambda: liger_sm90_fn(dev, p, dt, True, args.liger_target_check),
                "liger_sm90_noent": lambda: liger_sm90_fn(dev, p, dt, False, args.liger_target_check),
                "torch": lambda: (torch_rl, tnote)}
@@ -431,6 +444,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         objs = {k: (lambda f: lambda: _rl_obj(*f(x, w, t, temp, group, s, v), adv, beta))(f) for k, f in rl.items()}
         objs["flce_loss"] = lambda: (adv * -fl(x, w, t, group=group, vocab_size=v, reduction="none",
                                                 temperature=temp)).sum()
+        objs["flce_loss_recompute"] = lambda: (adv * -fl(x, w, t, group=group, vocab_size=v, reduction="none",
+                                                          temperature=temp, strategy="recompute")).sum()
         objs["flce_mean"] = lambda: fl(x, w, t, group=group, vocab_size=v, temperature=temp)
         shape_rows = []
         nan = float("nan")

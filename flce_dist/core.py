@@ -31,6 +31,10 @@ the first pass's statistics on every path (``_Tokens``).
     backward  per vocab chunk c: z = x @ W_c.T (cuBLAS) -> chunk_grad_ kernel (dz in place)
               -> dW_c = dz.T @ x (local) and dX += dz @ W_c          3 matmuls
               -> dX all-reduce started before the last chunk's dW matmul, so it overlaps it.
+    kept logits (:func:`keeps_logits`: a gradient, not an explicit "recompute", all N rows of
+    [N, ceil(V / P)] in one chunk of the budget; the eager Function): the forward's pass stores z
+    [N, V_r] (the fused strategy's storing pass, entropy column included), the backward forms dz in
+    it in place: chunk_grad_ -> dX = dz @ W, dW = dz.T @ x       3 matmuls in all, same collectives.
 * ``fused`` (scalar reductions with a gradient; the default there): per token chunk n:
     lse_forward kernel: z = x_n @ W.T stored + its stats in one pass (or cuBLAS + chunk_stats,
     ``Settings(logits_backend="cublas")``) -> all-gather of the chunk's stats -> global lse

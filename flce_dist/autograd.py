@@ -47,8 +47,8 @@ class FLCEFunction(torch.autograd.Function):
         # only the gradients some input needs: a frozen lm_head (LoRA / PEFT) skips the dW matmul
         # and buffer, a hidden without a gradient the dX matmul and its all-reduce
         ctx.need_dx, ctx.need_dw = bool(need[0]), bool(need[1] or need[2])
-        # keep_logits: a recompute-strategy call whose logits fit one chunk keeps them for the backward (3 matmuls,
-        # not 4; core.keeps_logits)
+        # keep_logits: a recompute-strategy call keeps its forward's logits for the backward: all of them where they
+        # fit one chunk (3 matmuls, not 4), else the backward's first vocab chunk (core.kept_columns)
         loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all, ctx.tw, kept) = flce_forward(
             hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw, loss_weights,
             copy_lse=p.return_lse, keep_logits=True)  # the API returns lse only with return_lse: no copy otherwise

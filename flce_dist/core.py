@@ -31,10 +31,12 @@ the first pass's statistics on every path (``_Tokens``).
     backward  per vocab chunk c: z = x @ W_c.T (cuBLAS) -> chunk_grad_ kernel (dz in place)
               -> dW_c = dz.T @ x (local) and dX += dz @ W_c          3 matmuls
               -> dX all-reduce started before the last chunk's dW matmul, so it overlaps it.
-    kept logits (:func:`keeps_logits`: a gradient, not an explicit "recompute", all N rows of
-    [N, ceil(V / P)] in one chunk of the budget; the eager Function): the forward's pass stores z
-    [N, V_r] (the fused strategy's storing pass, entropy column included), the backward forms dz in
-    it in place: chunk_grad_ -> dX = dz @ W, dW = dz.T @ x       3 matmuls in all, same collectives.
+    kept logits (:func:`kept_columns`: a gradient, not an explicit "recompute", no filter; the eager
+    Function): where all N rows of [N, ceil(V / P)] fit one chunk of the budget the forward's pass
+    stores z [N, V_r] (the fused strategy's storing pass, entropy column included) and the backward
+    forms dz in it in place: chunk_grad_ -> dX = dz @ W, dW = dz.T @ x   3 matmuls in all; else it
+    stores the backward's first vocab chunk [N, cols] (a storing pass over W[:cols], a plain one over
+    the rest, merged locally) and the backward recomputes the others only. Same collectives.
 * ``fused`` (scalar reductions with a gradient; the default there): per token chunk n:
     lse_forward kernel: z = x_n @ W.T stored + its stats in one pass (or cuBLAS + chunk_stats,
     ``Settings(logits_backend="cublas")``) -> all-gather of the chunk's stats -> global lse
@@ -77,6 +79,7 @@ import torch.distributed as dist
 from .chunking import chunk_rows, even_rows, gather_rows
 from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
                           reduce_scatter_rows)
+from .distributed.collectives import merge_stats
 from .distributed.guard import call_guard, raise_if_failed, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
@@ -451,25 +454,24 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     ``gh`` [N] the entropy's gradient in the same pass. ``need_dx`` / ``need_dw`` False: that
     gradient is None and its matmuls (and, for dX, the all-reduce and the float32 accumulator) are
     skipped: a frozen lm_head costs 2 matmuls, a hidden without a gradient 3 and no collective.
-    ``kept`` [N, V_r] (the forward's logits, :func:`keeps_logits`): one chunk of all V_r columns, no
-    logits matmul, dz formed in place in it, dX = dz @ W straight in x's dtype (no float32 accumulator)."""
+    ``kept`` [N, cols] (the forward's logits of the shard's first ``cols`` columns, :func:`kept_columns`):
+    the first vocab chunk, dz formed in place in it (no logits matmul for it). All ``V_r`` columns: one
+    chunk, dX = dz @ W straight in x's dtype (no float32 accumulator); fewer: chunks of ``cols``."""
     reduce_dx = not p.partial_dx
     n, _ = x.shape
     v = w.shape[0]
     acc = acc_dtype(x.dtype)
-    if kept is not None:
-        cols = max(1, v)
-    else:  # the float32 dX accumulator is the one buffer besides the chunk that is not a returned gradient
-        cols = chunk_rows(v, n, x.element_size(), x.device, p.settings,
-                          reserved_bytes=x.numel() * acc.itemsize if need_dx else 0, share=group_size(group))
-    dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx and kept is None else None
+    # kept: its columns are the first chunk (all of V_r: no float32 accumulator, dX = dz @ W in x's dtype)
+    whole = kept is not None and kept.shape[1] >= v
+    cols = max(1, v) if whole else kept.shape[1] if kept is not None else recompute_columns(x, w, p, group, need_dx)
+    dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx and not whole else None
     dw = torch.empty_like(w) if need_dw else None
     db = torch.empty(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None and need_dw else None
     kw = _grad_kw(p)
     handle = None
     out = dx
     eps = p.options.filter_eps(x.dtype)
-    order = perm = None
+    order = perm = z = None
     if eps and n:  # the gradient filter's row scale (the rows' total gradient weight) and vocab order
         row_scale = g.abs() if gh is None else g.abs() + gh.abs()
         order = VocabOrder.by_mean_logit(x, w, b, row_scale)
@@ -494,7 +496,10 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 wc, bc = w[j:j + cols], None if b is None else b[j:j + cols]
             else:  # this chunk's rows of the sorted shard (a chunk-sized copy)
                 wc, bc = order.rows(w, j, j + cols), order.rows(b, j, j + cols)
-            z = K.logits(x, wc, bc) if kept is None else kept
+            if j == 0 and kept is not None:
+                z, kept = kept, None
+            else:  # into the last chunk's buffer where the shapes agree (balanced chunks): one chunk, not two
+                z = K.logits(x, wc, bc, out=z if z is not None and z.shape[1] == wc.shape[0] else None)
         keep = None
         if order is not None:
             keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
@@ -502,10 +507,10 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 K.dx_masked(z, wc, keep, dx, True, p.settings, w_perm=pc)
         else:
             K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
-            if need_dx and kept is None:
+            if need_dx and not whole:
                 dx += torch.mm(z, wc)
         if need_dx and j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
-            out = dx.to(x.dtype) if kept is None else torch.mm(z, wc)
+            out = torch.mm(z, wc) if whole else dx.to(x.dtype)
             if reduce_dx and not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
         if not need_dw:
@@ -533,19 +538,62 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return (out if need_dx else None), dw, db
 
 
-def keeps_logits(x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
-                 needs_grad: bool, fused: bool) -> bool:
-    """Whether a recompute-strategy call keeps its forward's logits for the backward (``flce_forward``'s
-    ``keep_logits``): a gradient is needed, the strategy is not an explicit ``"recompute"`` (which keeps the
-    least memory: one vocab chunk, only in the backward), no gradient filter (its sorted order is formed in the
-    backward), a non-empty batch and shard, and all N rows of ``[N, ceil(V / P)]`` logits fit one chunk of the
-    budget (``chunking.chunk_rows``, as the fused strategy plans: at llama3 on one GPU N <= 3968 of bf16). The
+def recompute_columns(x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
+                      need_dx: bool = True) -> int:
+    """Vocab columns per chunk of the recompute strategy's backward on this rank: the chunk budget over the
+    ``[N, cols]`` logits chunk, less the float32 dX accumulator (the one buffer besides the chunk that is not
+    a returned gradient), balanced over the shard's ``V_r`` rows (``chunking.chunk_rows``). Local to the rank:
+    no collective depends on it."""
+    acc = acc_dtype(x.dtype)
+    return chunk_rows(w.shape[0], x.shape[0], x.element_size(), x.device, p.settings,
+                      reserved_bytes=x.numel() * acc.itemsize if need_dx else 0, share=group_size(group))
+
+
+def kept_columns(x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
+                 needs_grad: bool, fused: bool, need_dx: bool = True) -> int:
+    """How many of the shard's vocab columns a recompute-strategy call keeps from its forward's logits for the
+    backward (``flce_forward``'s ``keep_logits``; 0: none). Kept only where a gradient is needed, the strategy is
+    not an explicit ``"recompute"`` (which keeps the least memory: one vocab chunk, only in the backward), no
+    gradient filter (its sorted order is formed in the backward) and the batch and shard are not empty. Then:
+
+    - all ``V_r`` columns where all N rows of ``[N, ceil(V / P)]`` logits fit one chunk of the budget
+      (``chunking.chunk_rows``, as the fused strategy plans: at llama3 on one GPU N <= 3968 of bf16): the
+      backward runs no logits matmul (3 matmuls instead of 4);
+    - else the backward's first vocab chunk (:func:`recompute_columns`: ``cols`` of ``V_r``): the backward
+      recomputes the other ``V_r - cols`` columns only (at llama3, N = 8192: 1 of its 3 chunks kept, 3 2/3
+      matmuls).
+
+    Either way at most one chunk of the budget is held from the forward to the backward (as the fused strategy
+    holds its dW), and the backward's peak is unchanged (the kept chunk is its first chunk's buffer). The
     decision depends only on shapes, dtype, options and settings; it changes no collective."""
     if fused or not needs_grad or p.strategy == "recompute" or p.options.filter_eps(x.dtype):
-        return False
-    n, tp = x.shape[0], group_size(group)
-    v = max(w.shape[0], -(-p.vocab_size // tp))
-    return n > 0 and w.shape[0] > 0 and chunk_rows(n, v, x.element_size(), x.device, p.settings, share=tp) >= n
+        return 0
+    n, v, tp = x.shape[0], w.shape[0], group_size(group)
+    if n == 0 or v == 0:
+        return 0
+    if chunk_rows(n, max(v, -(-p.vocab_size // tp)), x.element_size(), x.device, p.settings, share=tp) >= n:
+        return v
+    return min(v, recompute_columns(x, w, p, group, need_dx))
+
+
+def _stored_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tokens: "_Tokens", p: FLCEParams,
+                    kept: torch.Tensor) -> torch.Tensor:
+    """This rank's local stats with the logits of the shard's first ``c = kept.shape[1]`` vocab columns stored in
+    ``kept`` (:func:`kept_columns`): all columns in one storing pass, or the storing pass over ``[0, c)`` and
+    the plain pass over ``[c, V_r)`` merged as two shards are (``merge_stats``: logsumexp, sum, max, entropy
+    weighted by each part's mass), each part with the targets outside it masked (-1)."""
+    c, v = kept.shape[1], w.shape[0]
+    kw = dict(with_ent=p.return_entropy)
+    if c >= v:
+        return K.lse_forward(x, w, b, tokens.tl, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=kept,
+                             prepare=tokens.targets, **kw)
+    tokens.targets()
+    tl = tokens.tl
+    head = K.lse_forward(x, w[:c], None if b is None else b[:c], torch.where(tl < c, tl, -1), p.logit_scale,
+                         p.cap, p.needs_sum, p.settings, z_out=kept, **kw)
+    tail = K.lse_forward(x, w[c:], None if b is None else b[c:], torch.where(tl >= c, tl - c, -1), p.logit_scale,
+                         p.cap, p.needs_sum, p.settings, **kw)
+    return merge_stats(torch.stack([head, tail]), x.shape[0], None)[0]
 
 
 def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
@@ -559,10 +607,11 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     (not yet scaled by grad_output) or None; ``saved`` = (x, tl, lse of all rows, valid, entropy of
     all rows or None, the token weights of all rows or None, the kept logits or None), what the backward
     needs. ``keep_logits`` (the eager Function): where the recompute strategy's backward will run and
-    :func:`keeps_logits` holds (all N rows of the shard's logits within one chunk of the budget), the
-    forward's pass stores them (the fused strategy's logits-storing pass, with the entropy column when
-    asked) and the backward forms dz from them in place: 3 matmuls instead of 4, at most one chunk of
-    the budget held from forward to backward (as the fused strategy holds its dW); under
+    :func:`kept_columns` is not 0, the forward's pass stores the logits of those columns (the fused
+    strategy's logits-storing pass, with the entropy column when asked: all of ``V_r`` where all N rows fit
+    one chunk of the budget, else the backward's first vocab chunk) and the backward forms dz from them in
+    place: 3 matmuls instead of 4 (or the kept chunk's share of the 4th saved), at most one chunk of the
+    budget held from forward to backward (as the fused strategy holds its dW); under
     sequence parallelism ``x`` is this rank's ``hidden`` (not the gathered ``[P n, H]``):
     :func:`recompute_grads` gathers it again, as
     Megatron's sequence-parallel linears do. ``need_dx`` / ``need_dw``: which gradients the fused
@@ -597,10 +646,9 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
-    elif keep_logits and keeps_logits(x, weight, p, group, needs_grad, fused):
-        kept = x.new_empty(x.shape[0], weight.shape[0])
-        stats = guard.combine(K.lse_forward(x, weight, bias, tokens.tl, p.logit_scale, p.cap, p.needs_sum, p.settings,
-                                            z_out=kept, with_ent=p.return_entropy, prepare=tokens.targets))
+    elif keep_logits and (cols := kept_columns(x, weight, p, group, needs_grad, fused, need_dx)):
+        kept = x.new_empty(x.shape[0], cols)
+        stats = guard.combine(_stored_forward(x, weight, bias, tokens, p, kept))
     else:
         tokens.targets()
         stats = forward_stats(x, weight, bias, tokens.tl, p, guard)
@@ -709,7 +757,8 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
     its incoming gradient, when the entropy was returned and used. ``p.partial_dx``: this rank's
     partial dX (see :func:`flce_forward`). ``loss_weights`` [N] (all rows): the token weights
     of a scalar reduction (``"none"`` returns unweighted losses: its gradient is grad_output alone).
-    ``kept`` [N, V_r]: the forward's logits of all rows (:func:`keeps_logits`), overwritten by dz here."""
+    ``kept`` [N, cols]: the forward's logits of the shard's first ``cols`` columns, all rows
+    (:func:`kept_columns`), overwritten by dz here."""
     sp = p.sequence_parallel and group_size(group) > 1
     if sp:
         x = all_gather_rows(x, group)

@@ -543,18 +543,21 @@ def test_fast_launch_is_bit_identical_to_helions_launcher(monkeypatch):
                 assert torch.equal(a, b), strategy
 
 
+@pytest.mark.parametrize("n", [2048, 5120], ids=["all", "first_chunk"])
 @pytest.mark.parametrize("entropy", [False, True], ids=["loss", "rl"])
-def test_kept_logits_agree_with_recompute_on_cuda(entropy):
-    """Issue 53: the recompute strategy keeping its forward's logits (core.keeps_logits: all rows in one chunk;
-    the Helion logits-storing pass, with the entropy column for the RL head) against the explicit "recompute"
-    (4 matmuls) and the float64 reference, at a llama3-width vocabulary."""
+def test_kept_logits_agree_with_recompute_on_cuda(entropy, n):
+    """Issue 53: the recompute strategy keeping its forward's logits (core.kept_columns: all rows in one chunk
+    at N = 2048, the backward's first vocab chunk at N = 5120; the Helion logits-storing pass, with the entropy
+    column for the RL head) against the explicit "recompute" (4 matmuls) and the float64 reference, at a
+    llama3-width vocabulary."""
     from flce_dist import FLCEParams, LossOptions, core, logprobs_and_entropy, settings
 
-    x, w, t = _case(1, 2048, 1024, 128256, torch.bfloat16, seed=5)
+    x, w, t = _case(1, n, 1024, 128256, torch.bfloat16, seed=5)
     x, w, t = x[0], w * 4, t[0]
     a = torch.randn(t.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     p = FLCEParams(0, w.shape[0], LossOptions(reduction="none", return_entropy=entropy), settings.current())
-    assert core.keeps_logits(x, w, p, None, True, False)
+    cols = core.kept_columns(x, w, p, None, True, False)
+    assert cols == w.shape[0] if n == 2048 else 0 < cols < w.shape[0]
 
     def run(xx, ww, **kw):
         if entropy:

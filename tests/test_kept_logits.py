@@ -1,9 +1,10 @@
-"""The recompute strategy with the forward's logits kept for the backward (``core.keeps_logits``, issue 53).
+"""The recompute strategy with the forward's logits kept for the backward (``core.kept_columns``, issue 53).
 
 A per-token loss (``reduction="none"``) or the RL head (``logprobs_and_entropy``) takes the recompute strategy:
 its gradient is known only in the backward. Where all N rows of the shard's logits fit one chunk of the budget
 the eager Function's forward stores them (the fused strategy's logits-storing pass) and the backward forms dz
-in place: 3 matmuls instead of 4. Checked here in float64 against ``reference.py`` at odd shapes, with every
+in place: 3 matmuls instead of 4; else it stores the backward's first vocab chunk and the backward recomputes
+the rest only. Checked here in float64 against ``reference.py`` at odd shapes, with every
 option that reaches the gradient, against the explicit ``strategy="recompute"`` (which never keeps), and for
 when the logits are *not* kept (over the budget, the gradient filter, no gradient, the compiled op).
 """
@@ -128,30 +129,63 @@ def test_frozen_weight_and_frozen_hidden(monkeypatch):
         monkeypatch.undo()
 
 
-def test_not_kept_where_it_does_not_apply(monkeypatch):
-    """Over the chunk budget (N rows do not fit one chunk), with the gradient filter, without a gradient, or with
-    the fused strategy (a scalar loss): nothing is kept; the per-token results agree with the kept path."""
+def test_not_kept_where_it_does_not_apply():
+    """With an explicit "recompute", the gradient filter, without a gradient, with the fused strategy (a scalar
+    loss) or an empty batch nothing is kept; else all V_r columns where all N rows fit one chunk."""
     x, w, _, t = _inputs(6, dtype=torch.float32)
     xg = x.clone().requires_grad_()
     p = lambda **o: FLCEParams(0, w.shape[0], LossOptions(**o), settings.current())  # noqa: E731
-    assert core.keeps_logits(xg, w, p(reduction="none"), None, True, False)
-    assert not core.keeps_logits(xg, w, p(reduction="none", strategy="recompute"), None, True, False)
-    assert not core.keeps_logits(xg, w, p(reduction="none", grad_filter_eps=1e-3), None, True, False)
-    assert not core.keeps_logits(xg, w, p(reduction="none"), None, False, False)
-    assert not core.keeps_logits(xg, w, p(), None, True, True)
-    assert not core.keeps_logits(xg[:0], w, p(reduction="none"), None, True, False)
-    row = w.shape[0] * x.element_size()
-    with settings.override(chunk_bytes=row * (x.shape[0] - 1)):  # one row short of all N
-        assert not core.keeps_logits(xg, w, p(reduction="none"), None, True, False)
+    assert core.kept_columns(xg, w, p(reduction="none"), None, True, False) == w.shape[0]
+    assert core.kept_columns(xg, w, p(reduction="none", strategy="recompute"), None, True, False) == 0
+    assert core.kept_columns(xg, w, p(reduction="none", grad_filter_eps=1e-3), None, True, False) == 0
+    assert core.kept_columns(xg, w, p(reduction="none"), None, False, False) == 0
+    assert core.kept_columns(xg, w, p(), None, True, True) == 0
+    assert core.kept_columns(xg[:0], w, p(reduction="none"), None, True, False) == 0
+
+
+@pytest.mark.parametrize("opts", OPTIONS + [dict(entropy=True, temperature=0.8), dict(dtype=torch.float32),
+                                   dict(dtype=torch.float32, entropy=True)],
+                         ids=lambda o: ",".join(str(o[k])[6:] if k == "dtype" else k for k in o) or "plain")
+def test_first_chunk_kept_over_the_budget(monkeypatch, opts):
+    """Over the budget (all N rows do not fit one chunk) the forward keeps the backward's first vocab chunk (a
+    storing pass over W[:cols], a plain one over the rest, merged): the backward recomputes the other chunks only,
+    and loss (entropy), dX, dW (db) stay within 1e-10 of the float64 reference (float32: the Helion passes in
+    reference mode, 2e-5). Targets fall in both parts."""
+    opts = dict(opts)
+    entropy, dtype = opts.pop("entropy", False), opts.pop("dtype", torch.float64)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    x, w, b, t = _inputs(8, n=41, v=307, bias=opts.pop("bias", False))
+    t[1], t[2] = 0, w.shape[0] - 1  # the first and the last column
+    go = torch.randn(x.shape[0], dtype=x.dtype, generator=torch.Generator().manual_seed(3))
+    ge = torch.randn(x.shape[0], dtype=x.dtype, generator=torch.Generator().manual_seed(4))
+    leaves = lambda: [v.clone().requires_grad_() for v in (x, w) + ((b,) if b is not None else ())]  # noqa: E731
+
+    def run(ls, fn, spy=None):
+        if entropy:
+            lp, ent = fn(ls[0], ls[1], t, **opts)
+            out, total = torch.stack([lp, ent]), (go * lp).sum() + (ge * ent).sum()
+        else:
+            out = fn(ls[0], ls[1], t, bias=ls[2] if b is not None else None, reduction="none", **opts)
+            total = (out * go).sum()
+        if spy is not None:
+            spy.logits = 0  # (the float64 forward takes cuBLAS-style logits itself): count the backward's
+        total.backward()
+        return out
+
+    ref = leaves()
+    want = run(ref, reference_logprobs_and_entropy if entropy else reference_loss)
+    ours = flce_dist.logprobs_and_entropy if entropy else flce_dist.fused_linear_cross_entropy
+    x, w, b = (v if v is None else v.to(dtype) for v in (x, w, b))
+    row = x.shape[0] * x.element_size()  # one vocab column of the [N, V] logits
+    with settings.override(chunk_bytes=row * 100):  # 100 columns a chunk: 307 in 4 balanced chunks of 77
+        p = FLCEParams(0, w.shape[0], LossOptions(reduction="none", return_entropy=entropy), settings.current())
+        assert core.kept_columns(x, w, p, None, True, False) == 77
         spy = _Spy(monkeypatch)
-        loss = flce_dist.fused_linear_cross_entropy(xg, w, t, reduction="none")
-        spy.logits = 0
-        loss.sum().backward()
-        assert spy.stored == 0 and spy.logits >= 1
-        over = xg.grad
+        got = leaves()
+        out = run(got, ours, spy)
+        # one storing pass (the kept chunk) and three recomputed chunks in the backward
+        assert spy.stored == 1 and spy.logits == 3, (spy.stored, spy.logits)
         monkeypatch.undo()
-    xg.grad = None
-    with settings.override(chunk_bytes=row * x.shape[0]):
-        assert core.keeps_logits(xg, w, p(reduction="none"), None, True, False)
-        flce_dist.fused_linear_cross_entropy(xg, w, t, reduction="none").sum().backward()
-    assert rel(xg.grad, over) < 1e-5
+    assert rel(out, want) < tol
+    for g, r in zip(got, ref):
+        assert rel(g.grad, r.grad) < tol

@@ -350,10 +350,10 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     acc32 = (need_dw and not eps and n > 0
              and accumulate.uses_float32(w.dtype, -(-n // max(1, rows)), p.settings))
     acc = accumulate.Float32DW(v, w.shape[1], w.dtype, w.device) if acc32 else None
-    # the first chunk writes dW (no zero fill), later chunks accumulate
-    dw = torch.empty_like(w) if need_dw and acc is None else None
-    if n == 0 and dw is not None:
-        dw.zero_()
+    # the first chunk writes dW (no zero fill), later chunks accumulate; allocated right before the first dW
+    # matmul, after the first chunk's temporaries (the pass's partials, the row-scale form's float32 [rows, H]
+    # product) are freed: at a single chunk the peak is the chunk, dW, dX and the dW operand only
+    dw = torch.zeros_like(w) if need_dw and acc is None and n == 0 else None
     db = torch.zeros(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None and need_dw else None
     kw = _grad_kw(p)
     handles = []
@@ -420,6 +420,8 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
             h = all_reduce_async(dxc, group)
             if h is not None:
                 handles.append(h)
+        if need_dw and acc is None and dw is None:
+            dw = torch.empty_like(w)
         if not need_dw:
             pass
         elif keep is not None:

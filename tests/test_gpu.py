@@ -561,7 +561,12 @@ def test_kept_logits_agree_with_recompute_on_cuda(entropy, n):
 
     def run(xx, ww, **kw):
         if entropy:
-            logp, ent = logprobs_and_entropy(xx, ww, t, temperature=0.7, **kw)
+            if kw:  # logprobs_and_entropy takes no strategy: the loss with the entropy, logp = -loss
+                loss, ent = flce_dist.fused_linear_cross_entropy(xx, ww, t, reduction="none", return_entropy=True,
+                                                                 temperature=0.7, **kw)
+                logp = -loss
+            else:
+                logp, ent = logprobs_and_entropy(xx, ww, t, temperature=0.7)
             ((a * logp).sum() + 0.3 * ent.sum()).backward()
             return torch.stack([logp, ent])
         loss = flce_dist.fused_linear_cross_entropy(xx, ww, t, reduction="none", temperature=0.7, **kw)

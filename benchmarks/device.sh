@@ -20,6 +20,8 @@ keep_config() { cp "$CFG" "$OUT/"; }               # the tuned config comes back
 tree_tag() { [ "$1" = . ] && echo new || echo "$1"; }  # ab/fwdab/tpab: "." is this tree, "new"
 # "=== <name> summary" onwards from a probe's log, or its last 20 lines if it stopped before printing it
 summary() { grep -q "=== $2 summary" "$1" && sed -n "/=== $2 summary/,\$p" "$1" || tail -20 "$1"; }
+# "N:shape,shape" as a file name the device tool brings back (no ':' or ','; run 35 lost two logs to a comma)
+run_tag() { echo "$1" | tr ':,' '__'; }
 # the launcher on the small model: small_train NGPU SECONDS train.sh-args...
 small_train() { NGPU=$1 TORCHRUN=torchrun CONFIG=$SMALL timeout "$2" bash launch/train.sh "${@:3}"; }
 
@@ -437,6 +439,8 @@ step_scaleprobe() {
 }
 
 # ---------------------------------------------------------------- training
+# "N:shape,shape" as a file name the device tool brings back (no ':' or ','; run 35 lost two logs to a comma)
+run_tag() { echo "$1" | tr ':,' '__'; }
 # the launcher on the small model: tokens/s and memory per layout (TRAIN_RUNS="2:flce 1:flce 1:torch" as
 # NGPU:head, TRAIN_STEPS=120)
 step_train() {
@@ -537,14 +541,16 @@ step_cutedsl() {
 # idle GPU, steady) and both data modes, one process per "N:shapes" in CUTE_RUNS (default llama3 at N=1024 4096
 # 8192; a second call CUTE_RUNS=8192:qwen3,gemma, where CuTe skips V % 256 != 0 with its reason); after quack1 +
 # quack2 (or cutedsl) on the same machine (CUTE_IMPLS, BENCH_DATA, BENCH_REPS=10, CUTE_TIMEOUT=170 per run,
-# ISSUE_ROUNDS=0: K interleaved rounds per timing mode, BENCH_TAIL=16)
+# ISSUE_ROUNDS=0: K interleaved rounds per timing mode, BENCH_TAIL=16); each run's CSV under $OUT/cute_<N>_<shapes>/
 step_benchcute() {
   step_cutedsl
   for run in ${CUTE_RUNS:-1024:llama3 4096:llama3 8192:llama3}; do
+    local tag; tag=$(run_tag "$run")
+    mkdir -p "$OUT/cute_$tag"
     timeout ${CUTE_TIMEOUT:-170} python3 benchmarks/bench.py --n "${run%%:*}" --shapes "${run#*:}" \
       --impls ${CUTE_IMPLS:-flce,liger_cute,liger_c16} --data ${BENCH_DATA:-random,realistic} \
-      --reps ${BENCH_REPS:-10} --rounds ${ISSUE_ROUNDS:-0} --out "$OUT" 2>&1 | flt \
-      | tee "$OUT/benchcute_${run%%:*}_${run#*:}.log" | tail -${BENCH_TAIL:-16}
+      --reps ${BENCH_REPS:-10} --rounds ${ISSUE_ROUNDS:-0} --out "$OUT/cute_$tag" 2>&1 | flt \
+      | tee "$OUT/benchcute_$tag.log" | tail -${BENCH_TAIL:-16}
   done
 }
 
@@ -560,7 +566,7 @@ step_rlcute() {
       timeout ${RL_TIMEOUT:-250} python3 benchmarks/bench_rl.py --out "$OUT" --n "${run%%:*}" --shapes "${run#*:}" \
         --impls ${RLCUTE_IMPLS:-flce_rl,flce_loss,liger_sm90,liger_sm90_noent} --temperature "$temp" \
         --data ${BENCH_DATA:-random,realistic} --reps ${RL_REPS:-10} --rounds ${RL_ROUNDS:-0} 2>&1 | flt \
-        | tee "$OUT/rlcute_${run%%:*}_${run#*:}_T$temp.log" | tail -${RL_TAIL:-12}
+        | tee "$OUT/rlcute_$(run_tag "$run")_T$temp.log" | tail -${RL_TAIL:-12}
     done
   done
 }

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flce_dist  # noqa: E402
-from flce_dist import reference_loss, settings, vocab_shard  # noqa: E402
+from flce_dist import FLCEParams, LossOptions, reference_loss, settings, vocab_shard  # noqa: E402
+from flce_dist.core import kept_columns  # noqa: E402
 from tests._checks import SMALL_BLOCKS, Checker  # noqa: E402
 
 def case(ck, dev, group, *, n, h, v, dtype, strategy, reduction, bias, sp, ignore="some", seed=0, tol=None, **opts):
@@ -454,6 +455,19 @@ def main():
                          sp=False, ignore="all")
                     case(ck, dev, group, n=3 * p, h=16, v=odd_v, dtype=dtype, strategy=strategy, reduction="sum", bias=True,
                          sp=True, ignore="all")
+            # the per-token loss keeping its forward's first vocab chunk on each rank (core.kept_columns below V_r:
+            # a budget of 3 columns of [N, V_r]), the other chunks recomputed; uneven V, with and without sp
+            for n, sp in ((13 * p, False), (5 * p, True)) if everything else ():
+                dt = dtypes[0]
+                with settings.override(chunk_bytes=3 * n * torch.empty((), dtype=dt).element_size()):
+                    s_, e_ = vocab_shard(odd_v, r, p)
+                    pk = FLCEParams(s_, odd_v, LossOptions(reduction="none"), settings.current())
+                    cols = kept_columns(torch.empty(n, 24, dtype=dt), torch.empty(e_ - s_, 24, dtype=dt), pk,
+                                             group, True, False)
+                    ck.true(f"P={p} sp={sp}: the first vocab chunk kept ({cols} of {e_ - s_} columns)",
+                            0 < cols < e_ - s_)
+                    case(ck, dev, group, n=n, h=24, v=odd_v, dtype=dt, strategy="auto", reduction="none", bias=not sp,
+                         sp=sp, temperature=0.8)
             if everything:  # the row-scale form under TP: z-loss and temperature on, gates closed, then forced open
                 for force in (False, True):  # (float32 on CUDA takes cuBLAS logits, never the row-scale form)
                     rowscale_case(ck, dev, group, force=force, n=9 * p, h=24, v=odd_v, dtype=dtypes[-1], sp=False,

@@ -439,8 +439,6 @@ step_scaleprobe() {
 }
 
 # ---------------------------------------------------------------- training
-# "N:shape,shape" as a file name the device tool brings back (no ':' or ','; run 35 lost two logs to a comma)
-run_tag() { echo "$1" | tr ':,' '__'; }
 # the launcher on the small model: tokens/s and memory per layout (TRAIN_RUNS="2:flce 1:flce 1:torch" as
 # NGPU:head, TRAIN_STEPS=120)
 step_train() {

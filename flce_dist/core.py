@@ -465,7 +465,7 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     acc = acc_dtype(x.dtype)
     # kept: its columns are the first chunk (all of V_r: no float32 accumulator, dX = dz @ W in x's dtype)
     whole = kept is not None and kept.shape[1] >= v
-    cols = max(1, v) if whole else kept.shape[1] if kept is not None else recompute_columns(x, w, p, group, need_dx)
+    cols = kept.shape[1] if kept is not None else recompute_columns(x, w, p, group, need_dx)
     dx = torch.zeros(x.shape, dtype=acc, device=x.device) if need_dx and not whole else None
     dw = torch.empty_like(w) if need_dw else None
     db = torch.empty(v, dtype=acc_dtype(x.dtype), device=x.device) if b is not None and need_dw else None

@@ -463,7 +463,7 @@ def main():
                     s_, e_ = vocab_shard(odd_v, r, p)
                     pk = FLCEParams(s_, odd_v, LossOptions(reduction="none"), settings.current())
                     cols = kept_columns(torch.empty(n, 24, dtype=dt), torch.empty(e_ - s_, 24, dtype=dt), pk,
-                                             group, True, False)
+                                        group, True, False)
                     ck.true(f"P={p} sp={sp}: the first vocab chunk kept ({cols} of {e_ - s_} columns)",
                             0 < cols < e_ - s_)
                     case(ck, dev, group, n=n, h=24, v=odd_v, dtype=dt, strategy="auto", reduction="none", bias=not sp,

@@ -17,7 +17,7 @@ SMALL=configs/train/llama_small_gpu.toml  # the training steps' model (6 layers,
 flt() { grep -v "DEBUG\|registered at"; }          # drop Helion's debug lines and torch's registration notes
 tflt() { flt | grep -v "^W1\|^I1"; }               # ... and torchrun's per-rank W/I log lines
 keep_config() { cp "$CFG" "$OUT/"; }               # the tuned config comes back with the call
-tree_tag() { [ "$1" = . ] && echo new || echo "$1"; }  # ab/fwdab/tpab: "." is this tree, "new"
+tree_tag() { [ "$1" = . ] && echo new || basename "$1" | sed "s/^\.//"; }  # ab/fwdab/tpab: "." is this tree, "new"; ".old" "old"
 # "=== <name> summary" onwards from a probe's log, or its last 20 lines if it stopped before printing it
 summary() { grep -q "=== $2 summary" "$1" && sed -n "/=== $2 summary/,\$p" "$1" || tail -20 "$1"; }
 # "N:shape,shape" as a file name the device tool brings back (no ':' or ','; run 35 lost two logs to a comma)
@@ -232,14 +232,19 @@ step_helionab() {
 }
 
 # ---------------------------------------------------------------- A/B: the loss alone vs its matmuls
-# ab_flce.py per tree: the loss alone vs the matmul floors, before/after a refactor (AB_TREES=".old .",
-# AB_SHAPES, AB_DATA)
+# ab_flce.py per tree: the loss alone vs the matmul floors, before/after a refactor (AB_TREES=".old .";
+# ".old . .old ." for rounds: the trees alternate, each process's ratios to its own matmuls; AB_SHAPES, AB_DATA,
+# AB_N=8192, AB_REPS=20, AB_TIMEOUT=280 per tree); the log and CSVs under $OUT/ab_<N>_<shapes>/
 step_ab() {
+  local dir; dir="$OUT/ab_$(run_tag "${AB_N:-8192}:${AB_SHAPES:-llama3,qwen3,gemma}")"; mkdir -p "$dir"
+  local k=0
   for tree in ${AB_TREES:-.old .}; do
-    PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 280 python3 benchmarks/ab_flce.py --tag "$(tree_tag "$tree")" \
-      --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$OUT" 2>&1 | flt \
+    k=$((k + 1))
+    PYTHONPATH="$tree:${PYTHONPATH:-}" timeout ${AB_TIMEOUT:-280} python3 benchmarks/ab_flce.py \
+      --tag "$(tree_tag "$tree")_r$k" --n ${AB_N:-8192} --reps ${AB_REPS:-20} \
+      --shapes ${AB_SHAPES:-llama3,qwen3,gemma} --data ${AB_DATA:-random,realistic} --out "$dir" 2>&1 | flt \
       | grep "^\["
-  done | tee "$OUT/ab.log"
+  done | tee "$dir/ab.log"
 }
 
 # ab_flce.py per tree: the forward against the bare matmul in interleaved rounds (AB_TREES, FWD_ROUNDS=5,

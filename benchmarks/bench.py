@@ -45,6 +45,7 @@ import argparse
 import functools
 import inspect
 import os
+import sys
 import statistics
 
 import torch
@@ -132,6 +133,26 @@ def liger_cute_impls() -> dict:
     return {"liger_cute": liger_cute}
 
 
+def liger_c16_impl():
+    """Liger's fastest setting (SPEC section 6): its Triton FLCE with a 16x larger logits chunk
+    (``chunk_mem_const=16``, Liger 0.8.5), as ``fn(x, w, t) -> mean loss``; None (reason printed) where absent."""
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as LF
+    except Exception as e:  # noqa: BLE001
+        print("liger chunk_mem_const unavailable:", e)
+        return None
+    if "chunk_mem_const" not in inspect.signature(LF.forward).parameters:
+        print("liger chunk_mem_const unavailable: an older Liger")
+        return None
+
+    def liger_c16(x, w, t):
+        out = LF.apply(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, None, False, False, False,
+                       None, None, 16)
+        return out[0] if isinstance(out, tuple) else out
+
+    return liger_c16
+
+
 def _impls():
     try:
         from flce_dist import settings as rt
@@ -159,18 +180,9 @@ def _impls():
         impls["liger"] = lambda x, w, t: lg(w, x, t)
     except Exception as e:  # noqa: BLE001
         print("liger unavailable:", e)
-    try:  # Liger's fastest setting (SPEC section 6): a 16x larger logits chunk (chunk_mem_const=16, 0.8.5)
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction as LF
-
-        if "chunk_mem_const" in inspect.signature(LF.forward).parameters:
-            def liger_c16(x, w, t):
-                out = LF.apply(x, w, t, None, None, -100, 0.0, 0.0, "mean", None, False, None, False, False, False,
-                               None, None, 16)
-                return out[0] if isinstance(out, tuple) else out
-
-            impls["liger_c16"] = liger_c16
-    except Exception as e:  # noqa: BLE001
-        print("liger chunk_mem_const unavailable:", e)
+    c16 = liger_c16_impl()
+    if c16 is not None:
+        impls["liger_c16"] = c16
     impls.update(liger_cute_impls())
     if torch_lce() is not None:
         impls["torch_lce"] = torch_lce()
@@ -253,6 +265,12 @@ def warm_up(dev: torch.device, seconds: float = 3.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--trace"]:  # --trace grpo,padfree [bench_trace.py's options]: the token-count traces
+        import bench_trace
+
+        bench_trace.main(["--traces", *argv[1:2], "--head", "loss", *argv[2:]])
+        return None
     args = parse_args(argv)
     dt = DTYPES[args.dtype]
     impls = _impls()

@@ -379,6 +379,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--trace"]:  # --trace grpo,padfree [bench_trace.py's options]: the token-count traces
+        import bench_trace
+
+        bench_trace.main(["--traces", *argv[1:2], "--head", "rl", *argv[2:]])
+        return []
     args = parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cpu":

@@ -608,6 +608,25 @@ step_hostab() {
     --out "$OUT/host_profile" 2>&1 | flt > "$OUT/host_profile.log"; summary "$OUT/host_profile.log" host_profile
 }
 
+# ---------------------------------------------------------------- issue 60: token counts that change every call
+# the GPU test of a new N against a cached one (12 never-seen N, loss and RL heads, llama3; its table in the log)
+step_newn() {
+  timeout ${NEWN_TIMEOUT:-200} python3 -m pytest -q -s -m gpu tests/test_gpu.py -k new_token_count 2>&1 | flt \
+    | tee "$OUT/newn.log" | grep "new N\|passed\|failed\|Error" | tail -30
+}
+
+# bench_trace.py: the grpo and padfree token-count traces (TRACE_CALLS=200 calls each), every impl from a fresh
+# process, for the heads in TRACE_HEADS (loss, rl); after quack1 + quack2 (or cutedsl) for the CuTe DSL rows
+# (TRACE_TRACES, TRACE_DATA=random, TRACE_TIMEOUT=150 per process)
+step_trace() {
+  step_cutedsl
+  for head in ${TRACE_HEADS:-loss rl}; do
+    python3 benchmarks/bench_trace.py --head "$head" --traces ${TRACE_TRACES:-grpo,padfree} --calls ${TRACE_CALLS:-200} \
+      --data ${TRACE_DATA:-random} --timeout ${TRACE_TIMEOUT:-150} ${TRACE_IMPLS:+--impls "$TRACE_IMPLS"} --out "$OUT" \
+      2>&1 | flt | tee "$OUT/trace_$head.log" | sed -n '/=== bench_trace/,$p'
+  done
+}
+
 # ---------------------------------------------------------------- the call
 list_steps() {  # each step_<name> with the comment lines right above it
   awk '/^# ---/ { d = ""; next }

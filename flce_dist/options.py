@@ -44,7 +44,7 @@ def _float(name: str, v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {v!r}")
     v = float(v)
-    if not math.isfinite(v):
+    if not abs(v) < math.inf:  # NaN or inf (a comparison: traceable where math.isfinite of a SymFloat breaks the graph)
         raise ValueError(f"{name} must be finite, got {v}")
     return v
 

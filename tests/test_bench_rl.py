@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import flce_dist
+import torch
 from tests._checks import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,3 +186,27 @@ def test_rounds_pair_each_liger_row_with_its_flce_row(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
         bench_rl.parse_args(["--cpu-smoke", "--rounds", "2"])
+
+
+def test_bench_trace_cpu_smoke(tmp_path, monkeypatch):
+    """benchmarks/bench_trace.py (issue 60): the grpo / padfree traces are seeded and shaped as documented, and
+    the --cpu-smoke trace runs flce and torch, each in a fresh process, for both heads, with every column."""
+    import bench_trace
+    from flce_dist import _timing
+
+    monkeypatch.setattr(_timing, "RESULTS", tmp_path / "results")
+    g = bench_trace.trace("grpo", 50)
+    assert g == bench_trace.trace("grpo", 50) and all(n == 8 * max(lens) and 16 <= min(lens) for n, lens in g)
+    assert len({n for n, _ in g}) > 25  # N changes at nearly every call
+    p = bench_trace.trace("padfree", 50, seed=3)
+    assert all(512 <= n <= bench_trace.MAX_N and lens is None for n, lens in p) and len({n for n, _ in p}) > 40
+    t = bench_trace.targets(torch.arange(64), 16, [1, 2, 8, 3, 4, 5, 6, 7])  # 8 completions of 2 padded positions
+    assert t.tolist()[:4] == [0, -100, 2, 3]
+    for head in ("loss", "rl"):
+        rows = bench_trace.main(["--cpu-smoke", "--head", head, "--out", str(tmp_path)])
+        assert [r["impl"] for r in rows] == (["flce", "torch"] if head == "loss" else ["flce_rl", "torch_rl"])
+        for r in rows:
+            assert "error" not in r, r
+            assert r["calls"] == 6 and r["p50_ms"] > 0 and r["total_s"] > 0 and r["first_ms"] >= r["p50_ms"] * 0.5
+        assert rows[0]["helion_binds"] > 0 and rows[1]["helion_binds"] == 0
+        assert (tmp_path / f"bench_trace_{head}.csv").is_file()

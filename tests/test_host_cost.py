@@ -246,16 +246,21 @@ class _FakeCompiled:
         self.runs.append(a)
 
 
+class _FakeParam:
+    def __init__(self, is_constexpr):
+        self.is_constexpr = is_constexpr
+
+
 class _FakeTritonKernel:
-    def __init__(self, nparams):
-        self.params, self.pre_run_hooks = [None] * nparams, []
+    def __init__(self, nparams, constexpr=()):
+        self.params, self.pre_run_hooks = [_FakeParam(i in constexpr) for i in range(nparams)], []
 
 
 def test_fast_launch_key_and_fallbacks(monkeypatch):
     """``kernels/fast_launch.launcher`` without a GPU (Triton and CUDA stood in for): a repeat launch with the
     same specialisation goes straight to the compiled kernel with Triton's positional layout; a pointer that is
-    not 16-byte aligned, another int value (Triton specialises on == 1 and % 16), dtype, grid or num_warps
-    takes Triton's path (a compile there); extra launcher keywords, an argument of another type, pre-run hooks,
+    not 16-byte aligned, an int of another class (Triton specialises on == 1 and % 16; a constexpr on its value),
+    dtype, grid rank or num_warps takes Triton's path (a compile there), another token count or grid does not; extra launcher keywords, an argument of another type, pre-run hooks,
     a registered launch hook and a kernel with more parameters than arguments never use the cache."""
     from flce_dist.kernels import fast_launch
 
@@ -270,7 +275,7 @@ def test_fast_launch_key_and_fallbacks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
     monkeypatch.setattr(fast_launch, "_COMPILED", {})
-    k = _FakeTritonKernel(5)
+    k = _FakeTritonKernel(5, constexpr=(4,))
     buf = torch.zeros(64, dtype=torch.bfloat16)
     a = buf[:16]
     assert a.data_ptr() % 16 == 0
@@ -290,8 +295,19 @@ def test_fast_launch_key_and_fallbacks(monkeypatch):
         n = len(slow)
         go(*other)
         assert len(slow) == n + 1, other
+    # a run-time int enters by its class only (a new token count that is a multiple of 16 hits), the grid is an
+    # argument of the launch (another grid of the same rank hits and is launched with its own sizes)
     n = len(slow)
-    fast_launch.launcher(k, (4,), a, a, 2.5, 4096, True, num_warps=4, num_stages=2)  # another grid
+    go(a, buf[16:32], 2.5, 8192 + 16, True)
+    c1.runs.clear()
+    fast_launch.launcher(k, (5, 9), a, buf[16:32], 2.5, 1040, True, num_warps=4, num_stages=2)
+    assert len(slow) == n and c1.runs[-1][:3] == (5, 9, 1) and c1.runs[-1][12] == 1040
+    k2 = _FakeTritonKernel(5, constexpr=(3, 4))  # the same int as a constexpr: its exact value is the key
+    fast_launch.launcher(k2, (3, 2), a, a, 2.5, 4096, True, num_warps=4, num_stages=2)
+    fast_launch.launcher(k2, (3, 2), a, a, 2.5, 4112, True, num_warps=4, num_stages=2)
+    assert len(slow) == n + 2
+    n = len(slow)
+    fast_launch.launcher(k, (4,), a, a, 2.5, 4096, True, num_warps=4, num_stages=2)  # another grid rank
     fast_launch.launcher(k, (3, 2), a, a, 2.5, 4096, True, num_warps=8, num_stages=2)  # another num_warps
     assert len(slow) == n + 2
     for call in [lambda: go(a, buf[16:32], 2.5, 4096, True, ptx_options="x"),  # launcher keywords

@@ -837,9 +837,10 @@ def test_launch_refuses_one_tensor_in_two_arguments():
 
 def test_launch_cache_maps_to_what_a_full_bind_gives(monkeypatch):
     """The launch cache (kernels/launch.py ``_bind``) skips the config lookup and Helion's bind on a repeat
-    call: a hit gives the bound kernel and block sizes a fresh lookup gives, a new shape / stride / dtype /
-    scalar / block override / ``Settings.blocks`` is a new key (never another call's kernel or blocks), and a
-    full cache is cleared, not grown."""
+    call: a hit gives the bound kernel and block sizes a fresh lookup gives; a new token count of the same
+    layout hits (issue 60: the kernels take N at run time); a new stride pattern / dtype / scalar / block
+    override / ``Settings.blocks`` / ``hl.specialize``d size (``STATIC_DIMS``) is a new key (never another
+    call's kernel or blocks), and a full cache is cleared, not grown."""
     from flce_dist.kernels import launch
 
     s = settings.Settings()
@@ -852,17 +853,24 @@ def test_launch_cache_maps_to_what_a_full_bind_gives(monkeypatch):
     assert bound2 is bound and full2[2:] == full[2:] and full2[0] is t and not first and binds == []
     fresh = launch._kernels()["scale"].bind(full)
     assert fresh is bound
-    for args, kw in [((torch.randn(301), g), {}), ((t[::2], g), {}), ((t.double(), g.double()), {}),
-                     ((t, g), {"blocks": {"block": 64}})]:
+    t301 = torch.randn(301)  # another token count: a hit, and the kernel a full bind gives
+    f1, b1, _ = launch._bind("scale", (t301, g), t.device, t.dtype, s, "", None, None)
+    assert binds == [] and b1 is launch._kernels()["scale"].bind(f1) and f1[0] is t301
+    for args, kw in [((t[::2], g), {}), ((t.double(), g.double()), {}), ((t, g), {"blocks": {"block": 64}})]:
         f3, b3, _ = launch._bind("scale", args, args[0].device, args[0].dtype, s, "", None, kw.get("blocks"))
         assert b3 is launch._kernels()["scale"].bind(f3)
         if kw:
             assert f3[-1] == 64 and full[-1] != 64
     s32 = s.replace(blocks={"scale": {"block": 32}})
     f4, _, _ = launch._bind("scale", (t, g), t.device, t.dtype, s32, "", None, None)
-    assert f4[-1] == 32 and len(binds) == 5
+    assert f4[-1] == 32 and len(binds) == 4
+    # the hidden size is specialised (lse_forward's hl.specialize): two H are two keys, two N one
+    x1, x2, x3 = torch.randn(5, 64), torch.randn(7, 64), torch.randn(5, 80)
+    key = lambda x: launch._arg_key((x, 1.0), launch.STATIC_DIMS["lse_forward"])  # noqa: E731
+    assert key(x1) == key(x2) and key(x1) != key(x3)
+    assert launch._arg_key((torch.randn(5, 63),)) != launch._arg_key((torch.randn(5, 64),))  # 16-byte rows or not
     monkeypatch.setattr(launch, "_CACHE_MAX", len(launch._CACHE))
-    launch._bind("scale", (torch.randn(302), g), t.device, t.dtype, s, "", None, None)
+    launch._bind("scale", (torch.randn(302).half(), g), t.device, torch.float16, s, "", None, None)
     assert len(launch._CACHE) == 1
 
 

@@ -9,10 +9,11 @@ launch of each specialisation (it compiles, launches and returns the ``CompiledK
 repeat, calls ``CompiledKernel.run`` directly with the same positional arguments Triton would pass.
 
 The cache key holds everything Triton specialises on, and more: per tensor its dtype and whether its
-data pointer is 16-byte aligned (Triton's ``tt.divisibility`` on pointers); per int and bool its exact
-value (covers Triton's ``== 1`` and ``% 16`` specialisations and the i32 / i64 choice); per float its
-type (Triton does not specialise float values); and the kernel, grid, device, ``num_warps`` and
-``num_stages``. A miss takes Triton's own path, so a key that is finer than Triton's costs at most a
+data pointer is 16-byte aligned (Triton's ``tt.divisibility`` on pointers); per ``constexpr`` parameter and
+per bool its exact value; per run-time int (a token count, a stride) whether it is 1, a multiple of 16 and
+within int32 (Triton's ``== 1`` and ``% 16`` specialisations and its i32 / i64 choice), not its value, so a
+new token count hits; per float its type (Triton does not specialise float values); and the kernel, the
+grid's rank, device, ``num_warps`` and ``num_stages`` (the grid itself is passed to each launch). A miss takes Triton's own path, so a key that is finer than Triton's costs at most a
 bind, never a wrong kernel.
 
 Falls back to Helion's default launcher (every call) where the direct call's assumptions do not
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 _COMPILED: dict[tuple[Any, ...], Any] = {}
+_CONSTEXPR: dict[Any, tuple[bool, ...]] = {}  # per Triton kernel (one per bound kernel and config: bounded with them)
 _MAX = 1024
 
 
@@ -73,13 +75,29 @@ def _hooks_active() -> bool:
     return False
 
 
-def _spec(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _constexprs(triton_kernel: Any) -> tuple[bool, ...]:
+    """Which of the kernel's parameters are ``tl.constexpr`` (their exact values are in Triton's key)."""
+    got = _CONSTEXPR.get(triton_kernel)
+    if got is None:
+        got = _CONSTEXPR[triton_kernel] = tuple(bool(getattr(p, "is_constexpr", True)) for p in triton_kernel.params)
+    return got
+
+
+def _int_class(a: int) -> tuple[bool, bool, bool]:
+    """What Triton specialises a run-time int on, and more: ``== 1``, ``% 16 == 0``, and whether it fits int32
+    (Triton's i32 / i64 choice). A token count or a stride enters the key only through these."""
+    return a == 1, a % 16 == 0, -(2**31) <= a < 2**31
+
+
+def _spec(args: tuple[Any, ...], constexpr: tuple[bool, ...]) -> tuple[Any, ...] | None:
     key: list[Any] = []
-    for a in args:
+    for a, ce in zip(args, constexpr):
         t = type(a)
         if t is torch.Tensor or t is torch.nn.Parameter:
             key.append((a.dtype, a.data_ptr() & 15 == 0))
-        elif t is int or t is bool:
+        elif t is int:
+            key.append((t, a) if ce else (t, _int_class(a)))
+        elif t is bool:
             key.append((t, a))
         elif t is float:
             key.append(float)
@@ -93,15 +111,17 @@ def _spec(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
 def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int,
              **kwargs: Any) -> Any:
     """Drop-in for ``helion.runtime.default_launcher`` (the ``_launcher=`` of a Helion host function)."""
-    spec = None if kwargs or triton_kernel.pre_run_hooks or _hooks_active() else _spec(args)
+    spec = None
+    if not (kwargs or triton_kernel.pre_run_hooks or _hooks_active()) and len(args) == len(triton_kernel.params):
+        spec = _spec(args, _constexprs(triton_kernel))
     if spec is None:
         return _default_launcher()(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages, **kwargs)
     dev = torch.cuda.current_device()
-    key = (triton_kernel, grid, dev, num_warps, num_stages, spec)
+    key = (triton_kernel, len(grid), dev, num_warps, num_stages, spec)  # the grid is a launch argument
     k = _COMPILED.get(key)
     if k is None:
         k = _default_launcher()(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages)
-        if len(args) == len(triton_kernel.params) and hasattr(k, "packed_metadata"):
+        if hasattr(k, "packed_metadata"):
             if len(_COMPILED) >= _MAX:
                 _COMPILED.clear()
             _COMPILED[key] = k

@@ -255,34 +255,58 @@ def _ensure_mode(device: torch.device) -> None:
         setup_reference_mode()  # idempotent: the CPU aten::mm.dtype that reference-mode hl.dot needs
 
 
-# The launch cache: (kernel, device, dtype, variant, h, config_dir, block overrides, blocks, exact argument
-# metadata) -> (block values, bound kernel, config). A repeat call skips the config lookup and Helion's specialisation
-# key (bucketed sizes per argument, ~15-20 us per launch on the host); the metadata key (dtype, shape, stride,
-# device per tensor; type and value per scalar) is finer than Helion's key, so a hit always maps to the bound
-# kernel a full bind() would return. Bounded: cleared when it holds _CACHE_MAX entries (varying token counts).
+# The kernels' sizes fixed at compile time (``hl.specialize`` in the kernel file): (argument index, dim). Every
+# other size is a run-time value (``static_shapes=False``): one bound kernel and a handful of Triton binaries
+# serve every token count and vocabulary chunk (issue 60: a compile per new N cost 2-4 s).
+STATIC_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
+    "lse_forward": ((0, 1),), "target_dot": ((0, 1),), "dz_gated": ((0, 1),),  # x's hidden size
+}
+
+# The launch cache: (kernel, device, dtype, variant, h, config_dir, block overrides, blocks, argument layout) ->
+# (block values, bound kernel, config). A repeat call skips the config lookup and Helion's specialisation key
+# (~15-20 us per launch on the host). The layout key (:func:`_arg_key`) holds what Helion keys a dynamic-shape
+# kernel on, and more: per tensor its dtype, rank, whether each stride is 1 and 16-byte aligned (Helion's
+# tensor-descriptor layout guard), whether it needs 64-bit indexing, and the exact ``STATIC_DIMS`` sizes; per
+# scalar its type and value. No token count is in it, so a new N hits. Bounded: cleared at _CACHE_MAX entries.
 _CACHE: dict[tuple[Any, ...], tuple[tuple[int, ...], Any, dict[str, Any]]] = {}
-_CACHE_MAX = 4096
+_CACHE_MAX = 1024
+_INT32_MAX = 2**31 - 1  # Helion's 64-bit indexing threshold (numel above it)
 
 
-def _arg_key(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+def _arg_key(args: tuple[Any, ...], static: tuple[tuple[int, int], ...] = (), exact: bool = False
+             ) -> tuple[Any, ...] | None:
+    """The launch cache's argument key; ``exact``: every size and stride (a ``static_shapes=True`` kernel)."""
     key: list[Any] = []
     for a in args:
         t = type(a)
         if t is torch.Tensor or t is torch.nn.Parameter:
-            key.append((a.dtype, a.shape, a.stride(), a.device))
+            if exact:
+                key.append((a.dtype, a.device, a.shape, a.stride()))
+                continue
+            es = a.element_size()
+            key.append((a.dtype, a.device, tuple((st == 1, st * es % 16 == 0) for st in a.stride()),
+                        a.numel() > _INT32_MAX))
         elif t is int or t is float or t is bool:
             key.append((t, a))
         elif a is None:
             key.append(None)
         else:  # a tensor subclass or another type: the full bind() path
             return None
+    for i, d in static:
+        key.append(args[i].shape[d])
     return tuple(key)
+
+
+@lru_cache(maxsize=None)
+def _static_shapes(name: str) -> bool:
+    """Whether kernel ``name`` specialises on every size (then the launch cache keys on exact shapes)."""
+    return bool(_kernels()[name].settings.static_shapes)
 
 
 def _bind(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
           variant: str, h: int | None, blocks: dict[str, int] | None) -> tuple[tuple[Any, ...], Any, bool]:
     """(the full argument tuple, its bound kernel, whether this is its first call)."""
-    arg_key = _arg_key(args)
+    arg_key = _arg_key(args, STATIC_DIMS.get(name, ()), _static_shapes(name))
     key = None if arg_key is None else (name, device, dtype, variant, h, settings.config_dir, settings.blocks,
                                         None if not blocks else tuple(sorted(blocks.items())), arg_key)
     hit = None if key is None else _CACHE.get(key)

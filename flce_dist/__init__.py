@@ -27,4 +27,4 @@ __all__ = [
     "setup_reference_mode",
     "vocab_shard",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # the one place: pyproject.toml reads it; CHANGELOG.md says what each version holds

@@ -59,6 +59,28 @@ def test_library_requires_ranges_not_the_cpu_pins():
     assert "torch==2.15.0" in newest and "helion==1.5.1" in newest
 
 
+def _source_version() -> str:
+    """The version's one place: ``flce_dist/__init__.py``'s ``__version__`` literal (pyproject.toml reads it)."""
+    import re
+
+    (version,) = re.findall(r'^__version__ = "([^"]+)"', (ROOT / "flce_dist" / "__init__.py").read_text(), re.M)
+    return version
+
+
+def test_version_has_one_place():
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in meta["project"] and "version" in meta["project"]["dynamic"], meta["project"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "flce_dist.__version__"}
+    import flce_dist
+
+    assert flce_dist.__version__ == _source_version()
+    # the changelog has an entry for it: "## [0.2.0] - Unreleased" for 0.2.0.dev0, "## [0.2.0] - <date>" once released
+    release = _source_version().split(".dev")[0].split("+")[0]
+    assert f"## [{release}]" in (ROOT / "CHANGELOG.md").read_text(), release
+
+
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -77,10 +99,11 @@ def test_installing_keeps_the_users_torch_and_helion(tmp_path_factory):
     # installs the wheel) would otherwise be "already satisfied" and its dependencies never resolved
     src = tmp / "src"
     shutil.copytree(ROOT / "flce_dist", src / "flce_dist", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "README.md", src / "README.md")
-    meta = (ROOT / "pyproject.toml").read_text()
-    assert '\nversion = "0.1.0"\n' in meta
-    (src / "pyproject.toml").write_text(meta.replace('\nversion = "0.1.0"\n', '\nversion = "0.1.0+keeptest"\n'))
+    for name in ("README.md", "LICENSE", "pyproject.toml"):
+        shutil.copy(ROOT / name, src / name)
+    init = src / "flce_dist" / "__init__.py"
+    version = _source_version()
+    init.write_text(init.read_text().replace(f'__version__ = "{version}"', f'__version__ = "{version}+keeptest"'))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp),
                     str(src)], check=True, cwd=tmp)
     (wheel,) = tmp.glob("flce_dist-*.whl")
@@ -90,7 +113,7 @@ def test_installing_keeps_the_users_torch_and_helion(tmp_path_factory):
                         str(wheel)], cwd=tmp, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr  # a range excluding the installed torch fails here
     planned = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
-    assert planned == {"flce_dist": "0.1.0+keeptest"}, planned  # nothing else installed: torch and helion kept
+    assert planned == {"flce_dist": f"{version}+keeptest"}, planned  # nothing else installed: torch and helion kept
     assert _versions() == _versions()  # (read from metadata; the dry run changed nothing)
 
 

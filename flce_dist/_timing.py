@@ -78,7 +78,7 @@ def paired_ratios(per_round: dict[str, list[float]], ref: str) -> dict[str, tupl
     res = {}
     for k, ts in per_round.items():
         if k != ref:
-            q = [a / b for a, b in zip(ts, base)]
+            q = [a / b for a, b in zip(ts, base, strict=True)]
             res[k] = (statistics.median(q), min(q), max(q))
     return res
 
@@ -100,7 +100,7 @@ def three_matmuls(x: torch.Tensor, w: torch.Tensor, seed: int = 1) -> Callable[[
         torch.mm(dy, w, out=dx)
         torch.mm(dy.T, x, out=dw)
 
-    run.buffers = (y, dy, dx, dw)  # type: ignore[attr-defined]  (for tests)
+    run.buffers = (y, dy, dx, dw)  # type: ignore[attr-defined]  # a function attribute, for tests
     return run
 
 
@@ -133,11 +133,12 @@ def chunked_matmuls(x: torch.Tensor, w: torch.Tensor, rows: int) -> Callable[[],
             elif i == 0:
                 torch.mm(e.T, xc, out=dw)
             else:
+                assert dw is not None  # no float32 accumulator: dw was allocated above
                 dw.addmm_(e.T, xc)
         if acc is not None:
             acc.finish()
 
-    run.buffers = (buf, dw)  # type: ignore[attr-defined]  (for tests)
+    run.buffers = (buf, dw)  # type: ignore[attr-defined]  # a function attribute, for tests
     return run
 
 

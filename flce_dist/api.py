@@ -164,9 +164,9 @@ def _autocast_device(hidden: torch.Tensor) -> torch.dtype | None:
     return torch.get_autocast_dtype(dev)
 
 
-def _autocast_cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+def _autocast_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Autocast's cast of a float input (float64 is left alone, as autocast does)."""
-    if t is None or t.dtype == dtype or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if t.dtype == dtype or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return t
     return t.to(dtype)
 
@@ -337,7 +337,8 @@ def fused_linear_cross_entropy(
                          f"reduction={options.reduction!r} it would be ignored: leave it None")
     autocast = _autocast_device(hidden)
     if autocast is not None:  # autocast's rule for linear: compute in its dtype, gradients cast back
-        hidden, weight, bias = (_autocast_cast(t_, autocast) for t_ in (hidden, weight, bias))
+        hidden, weight = _autocast_cast(hidden, autocast), _autocast_cast(weight, autocast)
+        bias = None if bias is None else _autocast_cast(bias, autocast)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)
@@ -371,7 +372,6 @@ def fused_linear_cross_entropy(
     grad_on = torch.is_grad_enabled()
     need_dx = grad_on and hidden.requires_grad
     need_dw = grad_on and (weight.requires_grad or (bias is not None and bias.requires_grad))
-    needs_grad = need_dx or need_dw
     if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
         raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
                          "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)")

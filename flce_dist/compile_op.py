@@ -46,7 +46,7 @@ def _group(name: str) -> Optional[dist.ProcessGroup]:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(name)
+    return _resolve_process_group(name)  # type: ignore[arg-type]  # torch types it GroupName, a NewType of str
 
 
 @torch.library.custom_op("flce_dist::fused_lce", mutates_args=())

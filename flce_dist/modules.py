@@ -140,6 +140,7 @@ class VocabParallelLMHead(nn.Module):
     def _dist(self, local: torch.Tensor) -> torch.Tensor:
         if self.mesh is None:
             return local
+        assert self.mesh_dim is not None  # set with the mesh
         return from_local(local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, 0),
                           (self.vocab_size, *local.shape[1:]))
 
@@ -207,6 +208,7 @@ class VocabParallelLMHead(nn.Module):
             if any(not isinstance(pl, Replicate) for pl in hidden.placements):
                 raise ValueError(f"logits need a replicated hidden, got placements {tuple(hidden.placements)}")
             hidden = hidden.to_local()  # its gradient comes back Replicate(): CopyToGroup made it the sum
+        assert self.mesh_dim is not None  # set with the mesh
         x = CopyToGroup.apply(hidden, self.group)
         local = nn.functional.linear(x, self._local(self.weight), None if self.bias is None else self._local(self.bias))
         return from_local(local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, local.dim() - 1),

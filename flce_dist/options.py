@@ -137,7 +137,7 @@ class LossOptions:
     @classmethod
     def keywords(cls, *kinds: str) -> tuple[str, ...]:
         """The option names (of the given kinds; all without), in field order."""
-        return _keywords(cls, kinds)
+        return _keywords(cls, kinds)  # type: ignore[arg-type]  # a class is hashable (mypy reads its instances' __hash__)
 
     @classmethod
     def check_keywords(cls, given: Any, where: str, *kinds: str) -> None:

@@ -33,13 +33,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor, Placement
+    from typing_extensions import TypeIs  # typing's from Python 3.13; torch depends on typing_extensions
 
-def is_dtensor(t: object) -> bool:
+
+def is_dtensor(t: object) -> TypeIs[DTensor]:
     """Without importing DTensor (~1 s): no tensor is a DTensor before its module is loaded."""
     mod = sys.modules.get("torch.distributed.tensor")
     return mod is not None and isinstance(t, mod.DTensor)
@@ -68,11 +72,11 @@ def from_local(local: torch.Tensor, mesh, placements, global_shape) -> torch.Ten
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def sharded_placements(mesh, mesh_dim: int, tensor_dim: int) -> list:
+def sharded_placements(mesh, mesh_dim: int, tensor_dim: int) -> list[Placement]:
     """``Shard(tensor_dim)`` on ``mesh_dim``, ``Replicate()`` on every other mesh dim."""
     from torch.distributed.tensor import Replicate, Shard
 
-    placements = [Replicate()] * mesh.ndim
+    placements: list[Placement] = [Replicate()] * mesh.ndim
     placements[mesh_dim] = Shard(tensor_dim)
     return placements
 

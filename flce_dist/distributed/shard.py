@@ -201,10 +201,10 @@ def resolve_call(group: dist.ProcessGroup | str | None, weight: torch.Tensor | i
     if isinstance(group, str):  # traced: the group by name (a constant; the group object is opaque there)
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        group = _resolve_process_group(group) if group else None
+        group = _resolve_process_group(group) if group else None  # type: ignore[arg-type]  # torch types it GroupName, a NewType of str
     size = group_size(group)
     start, vocab, stale = resolve_shard(group, weight, vocab_start, device, n_tokens, fields, vocab_size)
-    return start, vocab, group.group_name if size > 1 else "", size, stale
+    return start, vocab, group.group_name if group is not None and size > 1 else "", size, stale
 
 
 # torch._dynamo.assume_constant_result without importing torch._dynamo (~1 s) at import time

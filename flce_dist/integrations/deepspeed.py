@@ -56,7 +56,7 @@ import binascii
 import json
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -65,6 +65,9 @@ from ..options import LossOptions
 from . import transformers as _hf
 from .heads import HeadShard, head_shard, register_head_shard
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["SECTION", "enable", "initialize", "load_config", "options_from_config", "skip_cpu_shm_comm_build"]
 
 SECTION = "flce_dist"
@@ -72,7 +75,7 @@ _KEYS = ("enabled", *LossOptions.keywords("math"))
 
 
 @register_head_shard
-def _autotp_head(head: nn.Module) -> HeadShard | None:
+def _autotp_head(head: Any) -> HeadShard | None:  # Any: a DeepSpeed layer (deepspeed is untyped)
     """DeepSpeed AutoTP: ``VocabParallelLinear`` (module_inject/layers.py) or a column-parallel
     ``LinearLayer``: its rows, ``mp_group`` and ``vocab_start_index`` (else the partition sizes)."""
     if not (hasattr(head, "mp_group") and hasattr(head, "_partition_sizes") and hasattr(head, "tp_index")):
@@ -150,7 +153,7 @@ def enable(engine_or_model: Any, **options: Any) -> Any:
     _hf.apply(model, **options)
     autotp = getattr(engine_or_model, "autotp_size", None)
     if callable(autotp) and autotp() > 1:
-        if head_shard(model.get_output_embeddings()).group is None:
+        if head_shard(cast("PreTrainedModel", model).get_output_embeddings()).group is None:
             warnings.warn("flce_dist: AutoTP is on but the lm_head is not vocabulary-sharded (set "
                           'tensor_parallel.vocab_parallel_lm_head to true); every rank computes the full-vocabulary loss',
                           stacklevel=2)

@@ -10,7 +10,7 @@ vocab-parallel and column-parallel heads). A head that no finder claims is a ful
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -42,4 +42,4 @@ def head_shard(head: nn.Module) -> HeadShard:
         found = finder(head)
         if found is not None:
             return found
-    return HeadShard(head.weight, getattr(head, "bias", None))
+    return HeadShard(cast(torch.Tensor, head.weight), getattr(head, "bias", None))

@@ -89,10 +89,11 @@ graph break under a compiled caller).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -180,7 +181,7 @@ class OutputProcessor:
              labels: torch.Tensor, loss_mask: torch.Tensor | None, config: Any) -> torch.Tensor:
         """The per-token loss ``[b, s]`` float32 of ``hidden`` ``[s, b, h]`` (``[s/P, b, h]`` under
         sequence parallelism) through ``output_layer`` (see the module docstring)."""
-        weight = output_layer.weight if output_weight is None else output_weight
+        weight = cast("torch.Tensor | None", output_layer.weight) if output_weight is None else output_weight
         if weight is None:
             raise ValueError("the output layer has no weight (skip_weight_param_allocation) and Megatron passed no "
                              "output_weight")
@@ -247,7 +248,7 @@ output_processor = OutputProcessor()
 # ---------------------------------------------------------------- install
 
 
-def _language_modules(model: Any) -> list[nn.Module]:
+def _language_modules(model: Any) -> list[Any]:  # Megatron's modules (megatron is untyped)
     """The ``LanguageModule`` chunks of ``model`` (a list of chunks for virtual pipelining, each
     possibly wrapped by Megatron's DDP / Float16Module / torch DDP through ``.module``)."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -334,7 +335,7 @@ def install(model: Any, *, true_vocab_size: int | None = None, strategy: str = "
             route = "hook" if method == "hook" or (method == "auto" and _has_hook(m)) else "swap"
             (_install_hook if route == "hook" else _install_swap)(m, proc, handle)
             setattr(m, _MARK, True)
-            handle._undo.append(lambda m=m: delattr(m, _MARK))
+            handle._undo.append(functools.partial(delattr, m, _MARK))
             handle.routes.append(route)
     except BaseException:
         handle.remove()
@@ -354,7 +355,7 @@ def _install_hook(m: nn.Module, proc: OutputProcessor, handle: Installed) -> Non
     handle._undo.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True).remove)
 
 
-def _install_swap(m: nn.Module, proc: OutputProcessor, handle: Installed) -> None:
+def _install_swap(m: Any, proc: OutputProcessor, handle: Installed) -> None:  # m: a Megatron GPTModel chunk
     state = _SwapState()
     layer = m.output_layer
     layer_cls, model_cls = type(layer), type(m)

@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import spmd_types as spmd
 import torch
@@ -115,6 +115,9 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
 
         softcap: float | None = None
         """``c * tanh(z / c)`` applied to every logit, or None."""
+
+    config: Config
+    global_vocab_size: int | None
 
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
         # ChunkedLossWrapper.__init__ is not called: there is no inner loss and no chunking.
@@ -169,6 +172,7 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
     def _call(self, pred: torch.Tensor, labels: torch.Tensor,
               global_valid_tokens: torch.Tensor | numbers.Real | None) -> torch.Tensor:
         lm_head = self.lm_head
+        assert lm_head is not None  # __call__ checked it
 
         def fused_forward(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return self._loss(lm_head, hidden, target, global_valid_tokens)
@@ -177,19 +181,19 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
         # lm_head(h). torchtitan's parallelize() set an instance ``forward`` (its redistributions):
         # saved and put back.
         saved = lm_head.__dict__.get("forward", _MISSING)
-        lm_head.forward = fused_forward
+        lm_head.__dict__["forward"] = fused_forward  # an instance attribute, as nn.Module.__setattr__ sets a function
         try:
             return lm_head(pred, labels)
         finally:
             if saved is _MISSING:
-                del lm_head.forward
+                del lm_head.__dict__["forward"]
             else:
-                lm_head.forward = saved
+                lm_head.__dict__["forward"] = saved
 
     def _loss(self, lm_head: nn.Module, hidden: torch.Tensor, target: torch.Tensor,
               global_valid_tokens: torch.Tensor | numbers.Real | None) -> torch.Tensor:
         c = self.config
-        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        weight, bias = cast(torch.Tensor, lm_head.weight), getattr(lm_head, "bias", None)  # set_lm_head checked it
         kw: dict[str, Any] = {k: getattr(c, k) for k in _OPTIONS}
         if global_valid_tokens is None:
             kw["reduction"] = "sum"

@@ -66,7 +66,7 @@ import dataclasses
 import functools
 import inspect
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,9 @@ from ..distributed.shard import local_rows
 from ..modules import VocabParallelLMHead
 from ..options import LossOptions
 from .heads import HeadShard, head_shard, register_head_shard
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply", "is_applied", "logprobs_and_entropy", "unapply"]
 
@@ -134,7 +137,7 @@ def _sharded_by_apply(head: nn.Module) -> HeadShard | None:
     tp = head.__dict__.get("_flce_tp")
     if tp is None:
         return None
-    return HeadShard(head.weight, getattr(head, "bias", None), tp.group, tp.start, tp.vocab)
+    return HeadShard(cast(torch.Tensor, head.weight), getattr(head, "bias", None), tp.group, tp.start, tp.vocab)
 
 
 @register_head_shard
@@ -231,7 +234,7 @@ def _load_shard_rows(module: nn.Module, state_dict: dict, prefix: str, *args: An
             state_dict[key] = local_rows(value, tp.vocab, (tp.start, tp.end), tuple(param.shape))
 
 
-def _gather_shards_on_save(model: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+def _gather_shards_on_save(model: PreTrainedModel, state_dict: dict, prefix: str, local_metadata: Any) -> None:
     """state_dict post-hook of a model with a sharded head: each sharded Parameter's entries become
     its full ``[V, ...]`` rows, one uneven all-gather per Parameter (weight, bias), in module order
     on every rank; a tied weight's keys share the one gathered tensor."""
@@ -255,7 +258,7 @@ def _gather_shards_on_save(model: nn.Module, state_dict: dict, prefix: str, loca
                 state_dict[k] = full
 
 
-def _shard_model(model: nn.Module, head: nn.Module, group: dist.ProcessGroup) -> None:
+def _shard_model(model: PreTrainedModel, head: nn.Linear, group: dist.ProcessGroup) -> None:
     """apply(model, group=...)'s sharding of the lm_head (and of a tied input embedding)."""
     if head.__dict__.get("_flce_tp") is not None or hasattr(head, "mp_group") or hasattr(head, "shard"):
         raise ValueError("the lm_head is already vocab-sharded; call apply(model) without group")
@@ -270,8 +273,9 @@ def _shard_model(model: nn.Module, head: nn.Module, group: dist.ProcessGroup) ->
     tp = _HeadTP(group=group, start=start, end=end, vocab=vocab, tied=tied)
     with torch.no_grad():
         head.weight = nn.Parameter(head.weight.detach()[start:end].clone(), requires_grad=head.weight.requires_grad)
-        if getattr(head, "bias", None) is not None:
-            head.bias = nn.Parameter(head.bias.detach()[start:end].clone(), requires_grad=head.bias.requires_grad)
+        bias = getattr(head, "bias", None)
+        if bias is not None:
+            head.bias = nn.Parameter(bias.detach()[start:end].clone(), requires_grad=bias.requires_grad)
     if hasattr(head, "out_features"):
         head.out_features = end - start
     head.__dict__["_flce_tp"] = tp
@@ -291,7 +295,7 @@ def _shard_model(model: nn.Module, head: nn.Module, group: dist.ProcessGroup) ->
 # the model
 
 
-def _transform_options(model: nn.Module, transform: str, options: dict[str, Any]) -> dict[str, Any]:
+def _transform_options(model: PreTrainedModel, transform: str, options: dict[str, Any]) -> dict[str, Any]:
     cfg = model.config
     opts = dict(options)
     if transform == "softcap" and "softcap" not in options:
@@ -382,7 +386,7 @@ def _next_tokens(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def _model_type(model: nn.Module) -> str:
+def _model_type(model: PreTrainedModel) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
@@ -399,17 +403,22 @@ def _check_options(options: dict[str, Any]) -> None:
     LossOptions.check_keywords(options, "flce_dist.integrations.transformers.apply", "math")
 
 
-def is_applied(model: nn.Module) -> bool:
+def _is_pretrained_model(model: object) -> bool:
+    """What apply() needs of a transformers model (a check, not an isinstance narrowing of ``model``'s type)."""
+    return isinstance(model, nn.Module) and hasattr(model, "get_output_embeddings") and hasattr(model, "config")
+
+
+def is_applied(model: PreTrainedModel) -> bool:
     return "_flce_state" in model.__dict__
 
 
-def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_options: Any) -> nn.Module:
+def apply(model: PreTrainedModel, group: dist.ProcessGroup | None = None, **loss_options: Any) -> PreTrainedModel:
     """Make ``model`` (a supported ``*ForCausalLM``, see ``SUPPORTED_MODEL_TYPES``) compute its
     ``labels`` loss with the fused loss. ``group``: tensor-parallel group whose ranks each keep a
     vocab shard of the lm_head (see the module docstring). Returns the same ``model`` (patched in place).
     Calling it again updates the loss options (``group`` only on the first call)."""
     _check_options(loss_options)
-    if not isinstance(model, nn.Module) or not hasattr(model, "get_output_embeddings") or not hasattr(model, "config"):
+    if not _is_pretrained_model(model):
         raise TypeError(f"model must be a transformers PreTrainedModel (*ForCausalLM), got {type(model).__name__}")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
@@ -430,7 +439,7 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
         model.__dict__["_flce_state"].options = dict(loss_options)
         return model
 
-    if group_size(group) > 1:
+    if group is not None and group_size(group) > 1:
         _shard_model(model, head, group)
 
     model.__dict__["_flce_state"] = _State(
@@ -451,7 +460,7 @@ def apply(model: nn.Module, group: dist.ProcessGroup | None = None, **loss_optio
 _LOGPROB_OPTIONS = ("ignore_index", "softcap", "deterministic")  # what apply()'s options may add to log-probs
 
 
-def logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
+def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
                          attention_mask: torch.Tensor | None = None, temperature: float = 1.0,
                          ignore_index: int = -100, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position ``(logp, entropy)`` of a supported ``*ForCausalLM`` (``apply`` called or not),
@@ -487,7 +496,7 @@ def logprobs_and_entropy(model: nn.Module, input_ids: torch.Tensor, *, labels: t
     return -nll, entropy
 
 
-def unapply(model: nn.Module) -> nn.Module:
+def unapply(model: PreTrainedModel) -> PreTrainedModel:
     """Restore the model's own forward (a vocab-sharded lm_head, and a tied vocab-parallel embedding,
     stay sharded; ``state_dict`` still gathers them)."""
     state = model.__dict__.pop("_flce_state", None)

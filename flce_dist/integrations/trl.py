@@ -57,11 +57,14 @@ only updates ``dtensor``). Verified against trl 1.16.0.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..api import logprobs_and_entropy
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["FlceLogProbFunction", "chunked_logprob", "is_patched", "patch", "unpatch"]
 
@@ -109,7 +112,7 @@ def _is_fsdp2_param(t: torch.Tensor) -> bool:
     return False
 
 
-def _vocab_shard_layout(t: torch.Tensor) -> bool:
+def _vocab_shard_layout(t: DTensor) -> bool:
     """``Shard(0)`` on exactly one mesh dim, ``Replicate()`` on the others (flce_dist's weight layout)."""
     from torch.distributed.tensor import Replicate, Shard
 

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import numbers
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,7 @@ def patch() -> list[str]:
     if original is linear_cross_entropy:  # bound by hand: nothing of verl's to restore
         raise RuntimeError(f"{KERNEL_MODULE}.linear_cross_entropy is already flce_dist's, but not through patch()")
     for name in (KERNEL_MODULE, *BOUND_MODULES):
-        mod = kernel if name == KERNEL_MODULE else sys.modules.get(name)
+        mod: Any = kernel if name == KERNEL_MODULE else sys.modules.get(name)
         if mod is None or not hasattr(mod, "linear_cross_entropy"):
             continue  # not imported yet: its import binds the kernel module's (patched) name
         if mod.linear_cross_entropy is not linear_cross_entropy:
@@ -181,7 +182,7 @@ def unpatch() -> None:
         return
     original = _originals[KERNEL_MODULE]
     for name in (KERNEL_MODULE, *BOUND_MODULES):
-        mod = sys.modules.get(name)
+        mod: Any = sys.modules.get(name)
         if mod is not None and getattr(mod, "linear_cross_entropy", None) is linear_cross_entropy:
             mod.linear_cross_entropy = _originals.get(name, original)
     _originals.clear()

@@ -85,6 +85,7 @@ def chunk_grad_reference_(z: torch.Tensor, target_local: torch.Tensor, lse: torc
     dy = ((g * (1 + two_zl * lse))[:, None] * torch.exp(y - lse[:, None]) - onehot * (g * one_minus_eps)[:, None]
           - (g * eps_over_v)[:, None])
     if gh is not None:
+        assert mu is not None  # the entropy's gradient comes with its mean
         dy = dy - gh[:, None] * torch.exp(y - lse[:, None]) * (y - mu[:, None])
     if softcap > 0:
         dy = dy * (1 - (y / softcap) ** 2)

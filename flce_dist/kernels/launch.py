@@ -231,8 +231,8 @@ def _kernels() -> dict[str, Any]:
 _CONFIGURED: dict[int, Any] = {}
 
 
-def _configure(bound: Any, device: torch.device, cfg: dict[str, Any]) -> None:
-    """Make ``bound`` run ``cfg`` (CUDA) unless it already does."""
+def _configure(bound: Any, device: torch.device, cfg: dict[str, Any] | None) -> None:
+    """Make ``bound`` run ``cfg`` (CUDA; None elsewhere) unless it already does."""
     if device.type != "cuda":
         _CONFIGURED[id(bound)] = None
         return
@@ -241,6 +241,7 @@ def _configure(bound: Any, device: torch.device, cfg: dict[str, Any]) -> None:
         return
     from .._helion_compat import helion
 
+    assert cfg is not None  # every CUDA entry has a config
     bound.set_config(helion.Config(**cfg))
     _CONFIGURED[id(bound)] = cfg
 
@@ -361,10 +362,10 @@ def _triton_allocator() -> None:
     global _SET_ALLOCATOR
     if _SET_ALLOCATOR is None:
         from helion.runtime import set_triton_allocator as _SET_ALLOCATOR
-    _SET_ALLOCATOR()
+    _SET_ALLOCATOR()  # type: ignore[misc]  # set by the import above (mypy does not narrow a global there)
 
 
-_SET_ALLOCATOR = None
+_SET_ALLOCATOR: Callable[[], None] | None = None
 
 # Repeat CUDA launches through kernels/fast_launch.py (the compiled kernel's run, without Triton's per-call
 # bind; the same kernel and the same bits). False: Helion's default launcher every time (the probes' A/B).
@@ -451,7 +452,7 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     # the pass that reads W through an index has its own entry (pointer loads for W, not TMA), else "store"'s
     variant = ("store_gather" if w_perm is not None else "store") if z_out is not None else ""
     perm = w_perm.to(torch.int32) if w_perm is not None else _dummy("perm", target_local, torch.int32, 1)
-    parts = _launch("lse_forward", (x, w, b, target_local, zo, ref, perm, float(scale), float(softcap),
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] = _launch("lse_forward", (x, w, b, target_local, zo, ref, perm, float(scale), float(softcap),
                                     bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt,
                                     w_perm is not None),
                     x.device, x.dtype, settings, variant, x.shape[1])
@@ -460,10 +461,10 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     if nt:
         # the pass's own block_h (the bits depend on it)
         block_h = entry("lse_forward", x.device, x.dtype, variant, x.shape[1], settings)["block"]["block_h"]
-        rows = target_local  # target_dot gathers the targets' rows of w: in w's own order
+        wrows = target_local  # target_dot gathers the targets' rows of w: in w's own order
         if w_perm is not None:
-            rows = torch.where(target_local >= 0, perm[target_local.clamp(min=0).long()], target_local)
-        ptgt = _launch("target_dot", (x, w, rows, float(scale), float(softcap)), x.device, x.dtype,
+            wrows = torch.where(target_local >= 0, perm[target_local.clamp(min=0).long()], target_local)
+        ptgt = _launch("target_dot", (x, w, wrows, float(scale), float(softcap)), x.device, x.dtype,
                        settings, blocks={"block_h": block_h})
         parts = (parts[0], parts[1], ptgt, parts[3], parts[4])
     return merge(*parts, with_sum, with_ent, settings)
@@ -618,7 +619,7 @@ def target_rows(target: torch.Tensor, vocab_start: int, v_local: int, vocab_size
         got = target_rows_reference(target, vocab_start, v_local, vocab_size, ignore_index)
         if out is None:
             return got
-        for o, g in zip(out, got):
+        for o, g in zip(out, got, strict=True):
             o.copy_(g)
         return out
     n = target.shape[0]

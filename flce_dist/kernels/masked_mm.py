@@ -105,7 +105,7 @@ def masked_mm_reference(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, ou
     """The kernel's math in torch: the kept blocks of ``a`` times ``b`` (rows ``b[b_perm]``), into (or
     added to) ``out`` (rows ``out[out_perm]``)."""
     bb = b if b_perm is None else b.index_select(0, b_perm)
-    part = torch.mm(torch.where(expand_keep(keep, *a.shape, block_m, block_k), a, torch.zeros_like(a)), bb)
+    part = torch.mm(torch.where(expand_keep(keep, a.shape[0], a.shape[1], block_m, block_k), a, torch.zeros_like(a)), bb)
     if out_perm is None:
         return out.add_(part) if accumulate else out.copy_(part)
     if accumulate:

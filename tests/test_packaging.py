@@ -1,4 +1,5 @@
-"""Packaging: an installed (non-editable) wheel carries the shipped Helion configs and uses them."""
+"""Packaging: ``python -m build`` makes a wheel and an sdist that install into a fresh venv and run there with
+their shipped Helion configs; the declared ranges, the version's one place, helion 1.5 on torch 2.11."""
 
 from __future__ import annotations
 
@@ -14,33 +15,102 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """The project built as a wheel and installed (no deps) into a fresh target directory."""
-    tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp),
-                    str(ROOT)], check=True, cwd=tmp)
-    (wheel,) = tmp.glob("flce_dist-*.whl")
-    target = tmp / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, cwd=tmp)
-    return target
+def dists(tmp_path_factory) -> dict[str, Path]:
+    """``python -m build``: the sdist, then the wheel built from that sdist (build's default order), without
+    build isolation (offline: the running environment's setuptools builds them)."""
+    pytest.importorskip("build", reason="python -m build needs the 'build' package (the dev extra)")
+    out = tmp_path_factory.mktemp("dist")
+    r = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(ROOT)],
+                       capture_output=True, text=True, cwd=out)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    (sdist,) = out.glob("flce_dist-*.tar.gz")
+    (wheel,) = out.glob("flce_dist-*.whl")
+    return {"sdist": sdist, "wheel": wheel}
 
 
-def test_wheel_ships_and_uses_the_kernel_configs(installed):
-    code = (
-        "import json, flce_dist\n"
-        "from flce_dist.kernels import launch\n"
-        "print(json.dumps({'pkg': flce_dist.__file__, 'dir': str(launch.DEFAULT_CONFIG_DIR),"
-        " 'h200': launch.load_configs('h200')}))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(installed)}
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=installed,
-                         env=env).stdout
-    got = json.loads(out.strip().splitlines()[-1])
-    assert got["pkg"].startswith(str(installed)), got["pkg"]  # the installed copy, not the checkout
-    assert got["dir"].startswith(str(installed)), got["dir"]
+def test_sdist_holds_the_package_data_and_license(dists):
+    import tarfile
+
+    with tarfile.open(dists["sdist"]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    shipped = {str(p.relative_to(ROOT)) for p in (ROOT / "flce_dist" / "configs" / "helion").glob("*.json")}
+    assert shipped and shipped <= names, shipped - names
+    assert {"LICENSE", "README.md", "pyproject.toml", "flce_dist/py.typed", "flce_dist/__init__.py"} <= names
+
+
+# In the fresh venv: the installed copy (not this checkout), its version, its shipped configs, py.typed, the
+# license in its metadata, and one fused loss call with gradients in Helion's reference mode.
+_SMOKE = """
+import importlib.metadata as md, json, pathlib, sys
+import torch
+import flce_dist
+from flce_dist.kernels import launch
+
+torch.set_num_threads(1)
+flce_dist.setup_reference_mode()
+torch.manual_seed(0)
+n, h, v = 37, 24, 101
+x = torch.randn(n, h, requires_grad=True)
+w = (0.1 * torch.randn(v, h)).requires_grad_()
+t = torch.randint(0, v, (n,))
+t[3] = -100
+loss = flce_dist.fused_linear_cross_entropy(x, w, t)
+loss.backward()
+ref = flce_dist.reference_loss(x.detach().double(), w.detach().double(), t)
+files = [str(f) for f in md.files("flce_dist")]
+print(json.dumps({
+    "prefix": sys.prefix, "pkg": flce_dist.__file__, "config_dir": str(launch.DEFAULT_CONFIG_DIR),
+    "h200": launch.load_configs("h200"), "version": flce_dist.__version__, "meta_version": md.version("flce_dist"),
+    "license": md.metadata("flce_dist").get("License-Expression"), "license_file": any(f.endswith("LICENSE") for f in files),
+    "typed": (pathlib.Path(flce_dist.__file__).parent / "py.typed").is_file(),
+    "loss": loss.item(), "ref": ref.item(),
+    "grads_finite": bool(x.grad.isfinite().all() and w.grad.isfinite().all()),
+}))
+"""
+
+
+def _fresh_venv(path: Path) -> Path:
+    """A new venv without pip that sees this environment's packages (torch, helion) behind its own
+    site-packages through a ``.pth`` line: the installed flce_dist is the venv's, nothing is downloaded. (The
+    ``.pth`` adds the directory only: an editable flce_dist of this environment, a finder that its own ``.pth``
+    installs, stays out.)"""
+    import sysconfig
+    import venv
+
+    venv.EnvBuilder(with_pip=False).create(path)
+    py = path / "bin" / "python"
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    parent = dict.fromkeys((sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]))
+    (Path(site) / "_flce_test_parent_env.pth").write_text("".join(f"{p}\n" for p in parent))
+    return py
+
+
+@pytest.mark.parametrize("kind", ["wheel", "sdist"])
+def test_built_dist_installs_into_a_fresh_venv_and_runs(dists, kind, tmp_path):
+    """``python -m build``'s wheel and sdist each install (``pip --no-deps --no-index``; the sdist built by pip
+    from source) into a fresh venv, where a fused loss call matches the float64 reference, with the configs,
+    ``py.typed``, the version and the license of the installed copy."""
+    py = _fresh_venv(tmp_path / "venv")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HELION_INTERPRET")}
+    env["PIP_CONSTRAINT"] = "/dev/null"  # this machine's global pip constraints cap torch; nothing is resolved here
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
+                        "--no-build-isolation", str(dists[kind])], capture_output=True, text=True, cwd=tmp_path,
+                       env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    r = subprocess.run([str(py), "-c", _SMOKE], capture_output=True, text=True, cwd=tmp_path,
+                       env=env | {"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    venv_dir = str(tmp_path / "venv")
+    assert got["prefix"] == venv_dir and got["pkg"].startswith(venv_dir), got["pkg"]  # the installed copy
+    assert got["config_dir"].startswith(venv_dir), got["config_dir"]
     shipped = json.loads((ROOT / "flce_dist" / "configs" / "helion" / "h200.json").read_text())
-    assert got["h200"] == shipped  # the shipped file, not DEFAULTS
+    assert got["h200"] == shipped  # the shipped file, not launch.DEFAULTS
+    assert got["version"] == got["meta_version"] == _source_version()
+    assert got["license"] == "BSD-3-Clause" and got["license_file"], got
+    assert got["typed"]
+    assert got["grads_finite"] and abs(got["loss"] - got["ref"]) <= 1e-5 * abs(got["ref"]), got
 
 
 def test_library_requires_ranges_not_the_cpu_pins():

@@ -19,7 +19,7 @@ if [ "${1:-}" = --stack ] && [ "${2:-}" = newest ]; then
   py=.venv-newest/bin/python
   # PIP_CONSTRAINT replaces this machine's global cap (torch<=2.14.1) for these commands only, with the
   # newest job's exact pins; torch 2.15.0 comes from the index as a CUDA build (~3 GB), which runs on the CPU.
-  PIP_CONSTRAINT="$PWD/constraints-newest.txt" $py -m pip install -q torch helion packaging pytest hypothesis matplotlib
+  PIP_CONSTRAINT="$PWD/constraints-newest.txt" $py -m pip install -q torch helion packaging pytest hypothesis matplotlib build
   keep() { $py -c 'import importlib.metadata as m; print(m.version("torch"), m.version("helion"))'; }
   before=$(keep)
   # The library as a user installs it into that environment: a built wheel, dependencies resolved by pip,
@@ -37,7 +37,7 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip=(.venv/bin/pip install -q -c constraints-cpu.txt)
 # constraints-cpu.txt pins torch==2.13.0, so pip takes the CPU wheel on disk, never a CUDA build.
-"${pip[@]}" -e '.[test,train]'
+"${pip[@]}" -e '.[test,train,dev]'   # dev: ruff, mypy, build, pre-commit (the checks .ci/run runs)
 # DeepSpeed 0.19.8 is an sdist that imports torch at build time: no build isolation, no ops built.
 "${pip[@]}" setuptools wheel
 DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation 'deepspeed==0.19.8'

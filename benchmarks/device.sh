@@ -408,39 +408,11 @@ step_tpprofile() {
     --out "$OUT" 2>&1 | tflt | tee "$OUT/profile_tp.log" | tail -30
 }
 
-# probes/event_probe.py: the loss split by CUDA events, fwd+bwd then forward (PROBE_SHAPES, PROBE_DATA)
-step_eventprobe() {
-  for m in fb fwd; do
-    timeout 280 python3 benchmarks/probes/event_probe.py --mode $m --shapes ${PROBE_SHAPES:-llama3,gemma} \
-      --data ${PROBE_DATA:-random,realistic} 2>&1 | flt > "$OUT/event_probe_$m.log"
-    summary "$OUT/event_probe_$m.log" event_probe
-  done
-}
-
-# probes/epilogue_probe.py: the store pass's epilogue part by part (PROBE_SHAPES, PROBE_DATA, PROBE_ARGS,
-# PROBE_TIMEOUT=560)
-step_epiprobe() {
-  timeout ${PROBE_TIMEOUT:-560} python3 benchmarks/probes/epilogue_probe.py --shapes ${PROBE_SHAPES:-llama3,gemma} \
-    --data ${PROBE_DATA:-random,realistic} ${PROBE_ARGS:-} 2>&1 | flt > "$OUT/epilogue_probe.log"
-  summary "$OUT/epilogue_probe.log" epilogue_probe
-}
-
 # probes/op_trace.py: the torch ops and CUDA kernels of one call, by name (PROBE_SHAPES, PROBE_DATA=random)
 step_optrace() {
   timeout 200 python3 benchmarks/probes/op_trace.py --shapes ${PROBE_SHAPES:-llama3,gemma} \
     --data ${PROBE_DATA:-random} 2>&1 | flt > "$OUT/op_trace.log"
   grep "===\|CUDA kernels of one call" "$OUT/op_trace.log"
-}
-
-# probes/launch_probe.py: one store launch by CUDA events vs by the profiler
-step_launchprobe() {
-  timeout 120 python3 benchmarks/probes/launch_probe.py 2>&1 | flt | tee "$OUT/launch_probe.log" | tail -2
-}
-
-# probes/scale_probe.py: the grad_output pass vs _foreach_mul_ on 1 GiB (SCALE_BLOCKS, e.g. 16384:8,8192:8)
-step_scaleprobe() {
-  timeout 90 python3 benchmarks/probes/scale_probe.py ${SCALE_BLOCKS:+--blocks $SCALE_BLOCKS} 2>&1 | flt \
-    | tee "$OUT/scale_probe.log" | tail -4
 }
 
 # ---------------------------------------------------------------- training
@@ -593,19 +565,6 @@ step_launchcost() {
   timeout ${LAUNCH_TIMEOUT:-240} python3 benchmarks/probes/launch_cost.py --ns ${LAUNCH_NS:-1024,4096} \
     --reps ${LAUNCH_REPS:-40} --out "$OUT" 2>&1 | flt > "$OUT/launch_cost.log"
   summary "$OUT/launch_cost.log" launch_cost
-}
-
-# issue 30's host cost per tree (AB_TREES=".old ."): fixed_cost.py (FIXED_NS=1024,4096, FIXED_SHAPES=4096x32000,
-# FIXED_REPS=20), then host_profile.py on this tree only (HOST_CASES=1024x4096x32000)
-step_hostab() {
-  for tree in ${AB_TREES:-.old .}; do
-    echo "=== tree $(tree_tag "$tree")"
-    PYTHONPATH="$tree:${PYTHONPATH:-}" timeout ${FIXED_TIMEOUT:-150} python3 benchmarks/probes/fixed_cost.py \
-      --ns ${FIXED_NS:-1024,4096} --shapes ${FIXED_SHAPES:-4096x32000} --reps ${FIXED_REPS:-20} \
-      --out "$OUT/fixed_$(tree_tag "$tree")" 2>&1 | flt | tail -${FIXED_TAIL:-14}
-  done 2>&1 | tee "$OUT/hostab.log"
-  timeout ${HOST_TIMEOUT:-90} python3 benchmarks/probes/host_profile.py --cases ${HOST_CASES:-1024x4096x32000} \
-    --out "$OUT/host_profile" 2>&1 | flt > "$OUT/host_profile.log"; summary "$OUT/host_profile.log" host_profile
 }
 
 # ---------------------------------------------------------------- issue 60: token counts that change every call

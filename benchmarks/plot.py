@@ -1,6 +1,6 @@
 """Plot benchmark CSVs: time (ratio to the floor) and peak memory per implementation and shape.
 
-    python benchmarks/plot.py benchmarks/results/run4/bench_bf16.csv benchmarks/results/run5/bench_tp2.csv \
+    python benchmarks/plot.py benchmarks/results/run20/bench_bf16_86662b2.csv benchmarks/results/run12/bench_tp2.csv \
         --out benchmarks/results/summary.png [--data realistic]
 
 CSVs with a ``data`` column (bench.py / bench_tp.py with data modes) get one row of panels per data

@@ -269,29 +269,16 @@ def test_capture_from_dcp_checkpoint(tmp_path):
     assert 0 <= int(t.min()) and int(t.max()) < 50
 
 
-def test_probe_scripts_import_and_wrap():
-    """benchmarks/probes/event_probe.py, merge_probe.py and kernel_profile.py import without a GPU (their CUDA work is in
-    main); the event probe's bracket passes calls through while off and restores what it wrapped."""
-    event_probe = pytest.importorskip("event_probe")
+def test_probe_scripts_import():
+    """benchmarks/probes/merge_probe.py and kernel_profile.py import without a GPU (their CUDA work is in main)."""
     merge_probe = pytest.importorskip("merge_probe")
     pytest.importorskip("kernel_profile")  # imports without a GPU too (its cases come from data.cases)
     assert all(bn & (bn - 1) == 0 and bt & (bt - 1) == 0 for bn, bt, _, _ in merge_probe.CANDIDATES)
 
-    class Owner:
-        @staticmethod
-        def f(a, b=1):
-            return a + b
 
-    br = event_probe.Bracket()
-    br.wrap(Owner, "f", "label")
-    assert Owner.f(2, b=3) == 5 and not br.marks  # off: no events recorded
-    br.restore()
-    assert Owner.f.__name__ == "f"
-
-
-def test_literal_shapes_and_the_host_profile_probe():
+def test_literal_shapes():
     """bench.py's ``--shapes`` takes ``<H>x<V>`` beside the named shapes (issue 30's table has shapes with no model
-    name); a malformed one is refused by name. benchmarks/probes/host_profile.py imports without a GPU."""
+    name); a malformed one is refused by name."""
     import argparse
 
     import common
@@ -304,65 +291,16 @@ def test_literal_shapes_and_the_host_profile_probe():
     bad = ap.parse_args(["--shapes", "4096x", "--data", "random"])
     with pytest.raises(SystemExit):
         common.check_case_args(ap, bad)
-    host_profile = pytest.importorskip("host_profile")
-    assert host_profile.main.__doc__ is None and "cProfile" in host_profile.__doc__
 
 
-def test_epilogue_probe_parts_and_three_matmuls():
-    """benchmarks/probes/epilogue_probe.py's parts 5, 7, 8 are the shipped store pass (same partials and
-    stored exponentials), part 4 merges to the same lse and target logit against the reference; and
-    ``_timing.three_matmuls`` runs the layer's three distinct matmuls; ``energy_j`` is None without a GPU."""
-    from flce_dist import rowscale
+def test_three_matmuls_and_energy():
+    """``_timing.three_matmuls`` runs the layer's three distinct matmuls; ``energy_j`` is None without a GPU."""
     from flce_dist._timing import three_matmuls
-    from flce_dist.kernels import launch
-    from flce_dist.kernels.lse_forward import lse_forward_partials, merge_partials
 
-    from flce_dist import setup_reference_mode
-
-    ep = pytest.importorskip("epilogue_probe")
-    setup_reference_mode()
     g = torch.Generator().manual_seed(3)
-    n, h, v = 37, 24, 300  # ragged vocab tiles at block_v = 128
-    x = torch.randn(n, h, generator=g, dtype=torch.float64).float()
-    w = torch.randn(v, h, generator=g, dtype=torch.float64).float() * 0.7
-    t = torch.randint(0, v, (n,), generator=g).to(torch.int32)
-    t[:16] = 5  # the first row tile's targets all in vocab tile 0: tiles without a target (parts 7, 8 branch)
-    t[20:23] = -1  # no target in this shard
-    r = rowscale.reference(x, w, 1.0)
-    common = (x, w, w.new_zeros(1), t)
-    tail = (r, 1.0, 0.0, False, launch.STORE_EXP, False, False, True, 16, 128, 8)
-    z_ship, z5, z4 = (torch.full((n, v), float("nan")) for _ in range(3))
-    ship = lse_forward_partials(*common, z_ship, r, t.new_zeros(1), *tail[1:8], False, *tail[8:])  # + w_perm, permute_w
-    for part in (5, 7, 8):  # the shipped epilogue, and two cheaper forms of it that must agree bit for bit
-        z5.fill_(float("nan"))
-        p5 = ep.probe_partials(*common, z5, *tail, part)
-        for a, b in zip(ship[:3], p5[:3]):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-        torch.testing.assert_close(z_ship, z5, rtol=0, atol=0)
-    p9 = ep.probe_partials(*common, z5, *tail, 9)  # part 9: the shipped pass without the target compare
-    for a, b in zip(ship[:2], p9[:2]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    torch.testing.assert_close(z_ship, z5, rtol=0, atol=0)
-    yt = ep.target_rows_dot(x, w, t, 1.0, block_h=8, block_n=16)  # its target logits, from their own launch
-    assert yt.shape == (1, n) and torch.all(yt[0, t < 0] == 0)
-    torch.testing.assert_close(yt[0], ship[2].sum(0), rtol=1e-5, atol=1e-5)
-    kernels = launch._kernels()  # as the probe runs it: part 9 standing in for the shipped kernel
-    from flce_dist.settings import current
-
-    want_st = launch.lse_forward(x, w, None, t, 1.0, 0.0, False, current(), z_out=z4, exp_ref=r)
-    shipped, kernels["lse_forward"] = kernels["lse_forward"], ep._Variant(9)
-    try:
-        got_st = launch.lse_forward(x, w, None, t, 1.0, 0.0, False, current(), z_out=z5, exp_ref=r)
-    finally:
-        kernels["lse_forward"] = shipped
-    torch.testing.assert_close(got_st, want_st, rtol=1e-5, atol=1e-5)
-    p4 = ep.probe_partials(*common, z4, *tail, 4)
-    want = merge_partials(*ship, False)
-    got = merge_partials(p4[0], p4[1], p4[2], p4[3][:1], p4[4], False)
-    torch.testing.assert_close(got[:, :2], want[:, :2], rtol=1e-5, atol=1e-5)  # lse, target logit
-    torch.testing.assert_close(p4[3].amax(0), want[:, 3], rtol=0, atol=0)  # the row max, kept in psumy
-    torch.testing.assert_close(z4, z_ship, rtol=1e-5, atol=1e-6)  # exp(y - r) either way
-    xb, wb = x.double(), w.double()
+    x = torch.randn(37, 24, generator=g, dtype=torch.float64)
+    w = torch.randn(300, 24, generator=g, dtype=torch.float64) * 0.7
+    xb, wb = x, w
     run = three_matmuls(xb, wb)
     run()
     y, dy, dx, dw = run.buffers
@@ -589,9 +527,10 @@ def test_ab_flce_main_writes_loss_and_forward_csvs(monkeypatch, tmp_path, capsys
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["ab_t.csv", "ab_t_fwd.csv"]
 
 
-# every step name a GPU call has used (the old case statement's, and "none": the wheel install alone)
+# every step name a GPU call has used (the old case statement's, and "none": the wheel install alone), less the
+# steps of the one-off probes that left the tree (eventprobe, epiprobe, launchprobe, scaleprobe, hostab: git history)
 DEVICE_STEPS = """none tests rl tprl dtensor ab fwdab shardab tpab tune tunestore tunecls tunepers storeab chunksweep gradab
-gradbench eventprobe epiprobe optrace mergeprobe launchprobe scaleprobe tunechunk sweep bench benchab bench32 tests32
+gradbench optrace mergeprobe tunechunk sweep bench benchab bench32 tests32
 profile train trainbench ds scaling tp tpquick tpbench tpprofile filterprobe benchfilter filtertrain trainedbench quack1
 quack2 benchquack cutedsl benchcute rlcute hostcost""".split()
 
@@ -620,6 +559,17 @@ def test_device_sh_lists_every_step_with_what_it_measures(tmp_path):
     r = subprocess.run(["bash", str(sh), "tests", "nosuchstep"], capture_output=True, text=True, timeout=30,
                        env={**os.environ, "OUT": str(out)}, cwd=tmp_path)
     assert r.returncode == 2 and "unknown step 'nosuchstep'" in r.stderr and not out.exists()
+
+
+def test_benchmarks_readme_names_every_script():
+    """benchmarks/README.md lists every script under benchmarks/ (and probes/) with what runs it: a new script
+    gets its row there, and a script nothing runs any more leaves the tree (git history keeps it)."""
+    text = (BENCH / "README.md").read_text()
+    scripts = [p for p in BENCH.rglob("*") if p.suffix in (".py", ".sh") and "results" not in p.parts
+               and "__pycache__" not in p.parts]
+    missing = [str(p.relative_to(BENCH)) for p in scripts if f"`{p.relative_to(BENCH)}" not in text
+               and f"`{p.name}`" not in text and f"{p.name}`" not in text]
+    assert scripts and not missing, f"benchmarks/README.md does not name {missing}"
 
 
 def test_results_readme_names_every_folder():

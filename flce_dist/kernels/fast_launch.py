@@ -91,7 +91,7 @@ def _int_class(a: int) -> tuple[bool, bool, bool]:
 
 def _spec(args: tuple[Any, ...], constexpr: tuple[bool, ...]) -> tuple[Any, ...] | None:
     key: list[Any] = []
-    for a, ce in zip(args, constexpr):
+    for a, ce in zip(args, constexpr, strict=False):  # False: the behaviour it had (B905 asks to choose)
         t = type(a)
         if t is torch.Tensor or t is torch.nn.Parameter:
             key.append((a.dtype, a.data_ptr() & 15 == 0))

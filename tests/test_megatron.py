@@ -378,6 +378,46 @@ def _megatron_shims() -> None:
         return layer
 
     torch_norm.WrappedTorchNorm.__new__ = norm
+    # the pipeline schedules and the combined-1F1B schedule plan (issue 62): CUDA events and streams as no-ops,
+    # Tensor.cuda / record_stream as the identity, the schedules' device="cuda" token counter on the CPU
+    class _Event:
+        def __init__(self, *_a, **_k):
+            pass
+
+        def record(self, *_a, **_k):
+            pass
+
+        wait = synchronize = record
+
+        def query(self):
+            return True
+
+    class _Stream(_Event):
+        def wait_event(self, *_a):
+            pass
+
+        wait_stream = wait_event
+
+        def record_event(self, *_a):
+            return _Event()
+
+    torch.cuda.Event, torch.cuda.Stream = _Event, _Stream
+    torch.cuda.current_stream = lambda *_a, **_k: _Stream()
+    torch.cuda.stream = lambda *_a, **_k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *_a, **_k: None
+    torch.Tensor.cuda = lambda self, *_a, **_k: self
+    torch.Tensor.record_stream = lambda self, *_a, **_k: None
+    from megatron.core.pipeline_parallel import schedules
+
+    class _Torch(types.ModuleType):  # schedules' torch: zeros(..., device="cuda") on the CPU
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*a, device=None, **k):
+            return torch.zeros(*a, device="cpu" if device is not None and "cuda" in str(device) else device, **k)
+
+    schedules.torch = _Torch("torch")
 
 
 def _config(tp: int, sp: bool, **kw):
@@ -445,7 +485,8 @@ def _step(model, batch, scale: float = 0.37, with_mask: bool = True, **call):
     model.zero_grad(set_to_none=True)
     out = model(tokens, pos, causal, labels=labels, loss_mask=loss_mask if with_mask else None, **call)
     (out * loss_mask).sum().mul(scale).backward()
-    return out.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the masked loss (what loss_func sums): flce_dist returns 0 at masked tokens, Megatron a number times 0
+    return (out * loss_mask).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _compare(got, ref, tag: str) -> dict:
@@ -600,13 +641,14 @@ def _refusals() -> dict:
 
     out = {}
 
-    def with_setting(obj_attr, value, words):
+    def with_setting(obj_attr, value, words, **install):
         model = _gpt(1, False, False)
         obj = model.output_layer if obj_attr[0] == "layer" else model.config
         setattr(obj, obj_attr[1], value)
-        out[f"flag refuses {obj_attr[1]}"] = _raises(lambda: fm.install(model), ValueError, words)
+        out[f"flag refuses {obj_attr[1]}"] = _raises(lambda: fm.install(model, **install), ValueError, words)
 
-    with_setting(("config", "mtp_num_layers"), 1, ["mtp_num_layers"])
+    # the output-layer swap only (the hook route leaves the MTP depths to Megatron: part 3)
+    with_setting(("config", "mtp_num_layers"), 1, ["mtp_num_layers", "swap"], method="swap")
     with_setting(("config", "defer_embedding_wgrad_compute"), True, ["defer_embedding_wgrad_compute"])
     with_setting(("layer", "gtp_remat_size"), 2, ["gtp_remat"])
     with_setting(("layer", "disable_grad_reduce"), True, ["disable_grad_reduce"])
@@ -786,7 +828,7 @@ def _cp_checks(rank: int) -> dict:
                             runtime_gather_output=None, context=None, compute_language_model_loss=megatron_loss,
                             scale_logits=lambda x: x, config=layer.config)
         (out * loss_mask).sum().mul(0.37).backward()
-        return out.detach().clone(), h.grad.clone(), layer.weight.grad.clone()
+        return (out * loss_mask).detach(), h.grad.clone(), layer.weight.grad.clone()  # what loss_func sums
 
     def gathered(t, group):
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]

@@ -335,6 +335,12 @@ _FORM = ("the gradient arriving at the per-token loss is not c * loss_mask for o
          "for a loss function of another form (one host sync per backward; exact)")
 
 
+def _raise_on_cpu(good: torch.Tensor) -> None:
+    """CPU tensors only (the host read costs nothing there): ``ValueError`` where the check failed."""
+    if not bool(good):
+        raise ValueError(_FORM)
+
+
 def _scale_on_device(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, valid: torch.Tensor, p: FLCEParams,
                      group: dist.ProcessGroup | None, w_dtype: torch.dtype) -> tuple:
     """``core.scale_weighted``'s scaling, decided on the device: ``c`` (least squares over this rank's
@@ -365,8 +371,8 @@ def _scale_on_device(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, vali
     c_ref = info[hs.to(torch.int32).argmax(), 0] * hs.any()  # the first rank with weight's c (or 0)
     agree = ((info[:, 0] - c_ref).abs() <= tol * c_ref.abs()) | ~hs
     good = (info[:, 2] > 0).all() & agree.all()
-    if g.device.type == "cpu" and not bool(good):
-        raise ValueError(_FORM)
+    if g.device.type == "cpu":
+        _raise_on_cpu(good)
     poison = torch.where(good, 0.0, math.nan).to(torch.float32)  # 0, or NaN into every gradient
     if dx is not None:  # dX row by row: exactly g_n / w_n times the w_n-weighted row
         nz = tw != 0

@@ -1459,6 +1459,129 @@ def _ii_parallel_checks(rank: int, tmp: str) -> dict:
     return errs
 
 
+def _cuda_graph_checks(capture: bool = True) -> dict:
+    """(3) on the GPU (``tests/test_gpu.py::test_megatron_head_cuda_graph``): the head's forward + backward (the
+    processor on Megatron's own ``ColumnParallelLinear`` as ``GPTModel`` calls it, bf16, then ``loss_func``'s masked
+    sum times a device scalar, 1 / tokens) captured in one ``torch.cuda.CUDAGraph``: a replay gives the eager loss
+    and gradients, and so does a replay after a new batch (hidden states, labels with out-of-range ids at masked
+    tokens, mask) is copied into the captured inputs. The steady-state eager step also runs under
+    ``torch.cuda.set_sync_debug_mode("error")`` (any host sync raises). For the loss (fused, the device check) and for
+    the RL outputs (log-probabilities + entropies at temperature 0.7, the recompute strategy). ``capture=False``: the
+    same code without CUDA (a CPU check of the test itself)."""
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from flce_dist.integrations import megatron as fm
+
+    cuda = capture and torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    s, b, h, v = 512, 2, 256, 4096
+    cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, use_cpu_initialization=not cuda,
+                            params_dtype=dtype, bf16=cuda, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    layer = tensor_parallel.ColumnParallelLinear(h, v, config=cfg, init_method=cfg.init_method, bias=False,
+                                                 gather_output=False, skip_bias_add=False).to(dev)
+
+    def batch(seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(s, b, h, generator=g).to(dev, dtype)
+        mask = (torch.rand(b, s, generator=g) > 0.25).float()
+        labels = torch.randint(0, v, (b, s), generator=g)
+        labels[mask == 0] = torch.tensor([-1, v, 10**6]).repeat(s * b)[:int((mask == 0).sum())]
+        adv = torch.randn(b, s, generator=g)
+        return x, labels.to(dev), mask.to(dev), adv.to(dev)
+
+    x0, labels, mask, adv = batch(1)
+    hidden = x0.clone().requires_grad_()
+    tol = 1e-5 if cuda else 1e-6
+    errs = {}
+    for name, proc in (("loss", fm.output_processor), ("logprobs", fm.OutputProcessor(output="logprobs",
+                                                                                       temperature=0.7))):
+        def step():
+            out = proc(hidden_states=hidden, output_layer=layer, output_weight=None, labels=labels, loss_mask=mask,
+                       config=cfg, runtime_gather_output=None, scale_logits=None)
+            c = 1.0 / mask.sum()  # loss_func's normalisation: a device scalar
+            val = ((out[0] * adv + 0.01 * out[1]) if isinstance(out, tuple) else out) * mask
+            val = val.sum() * c
+            val.backward()
+            return val.detach()
+
+        def eager():
+            hidden.grad = layer.weight.grad = None
+            val = step()
+            return val.clone(), hidden.grad.clone(), layer.weight.grad.clone()
+
+        ref = eager()  # the first call: compiles, checks the layout once (a host sync)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                eager()
+                errs[f"flag {name}: no host sync in the steady-state step"] = True
+            except RuntimeError as e:
+                errs[f"flag {name}: no host sync in the steady-state step ({str(e)[:200]})"] = False
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    eager()
+            torch.cuda.current_stream().wait_stream(side)
+            hidden.grad = layer.weight.grad = None
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = step()
+            grads = (hidden.grad, layer.weight.grad)
+            graph.replay()
+            torch.cuda.synchronize()
+            got = (static.clone(), grads[0].clone(), grads[1].clone())
+        else:
+            got = eager()
+        errs.update({f"{'loss' if k == 'value' else k} {name} replay": rel(a, r)
+                     for k, a, r in zip(("value", "dx", "dw"), got, ref)})
+        # a new batch copied into the captured inputs, replayed, against eager on it
+        x1, labels1, mask1, adv1 = batch(2)
+        with torch.no_grad():
+            hidden.copy_(x1)
+        labels.copy_(labels1), mask.copy_(mask1), adv.copy_(adv1)
+        if cuda:
+            graph.replay()
+            torch.cuda.synchronize()
+            got = (static.clone(), grads[0].clone(), grads[1].clone())
+        ref = eager()
+        if not cuda:
+            got = eager()
+        errs.update({f"{'loss' if k == 'value' else k} {name} replay new batch": rel(a, r)
+                     for k, a, r in zip(("value", "dx", "dw"), got, ref)})
+        errs[f"flag {name}: finite"] = all(bool(torch.isfinite(t).all()) for t in got)
+        with torch.no_grad():  # back to the first batch for the next output
+            hidden.copy_(x0)
+        x_, labels_, mask_, adv_ = batch(1)
+        labels.copy_(labels_), mask.copy_(mask_), adv.copy_(adv_)
+    return errs
+
+
+def _cuda_graph_worker(rank: int, world: int, tmp: str) -> None:
+    """One process on GPU 0 (nccl, Megatron's parallel state at TP=1, its CUDA RNG tracker): no CPU shims."""
+    import torch.distributed as dist
+
+    try:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel(1)
+        model_parallel_cuda_manual_seed(0)
+        errs = _cuda_graph_checks()
+    except Exception:  # noqa: BLE001  (reported by the test with the rank's traceback)
+        errs = {"error": traceback.format_exc()}
+    torch.save(errs, os.path.join(tmp, f"r{rank}.pt"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _ii_worker(rank: int, world: int, tmp: str) -> None:
     def checks() -> dict:
         from megatron.core import parallel_state

@@ -139,7 +139,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import _autocast_device, _check_loss_weights, _check_shapes, _check_target_range, _resolve
+from ..api import (_autocast_cast, _autocast_device, _check_loss_weights, _check_shapes, _check_target_range,
+                   _resolve)
 from ..api import fused_linear_cross_entropy as _flce
 from ..api import logprobs_and_entropy as _logprobs_and_entropy
 from ..autograd import FLCEFunction, refuse_double_backward
@@ -385,12 +386,18 @@ def _weighted_losses(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
                      group: dist.ProcessGroup | None, start: int, vocab: int, weights: torch.Tensor,
                      options: LossOptions, settings: Settings | None) -> torch.Tensor | None:
     """Per-token losses [N_in] of ``fused_linear_cross_entropy(..., reduction="none", loss_weights=weights)``
-    through :class:`_DeviceChecked` (the API's plain-tensor eager dispatch, the same checks, the same
-    once-per-layout shard check); None where that path does not apply (no gradient formed, autocast)."""
+    through :class:`_DeviceChecked` (the API's plain-tensor eager dispatch: the same checks, the same
+    once-per-layout shard check, autocast's rule for linear); None where no gradient is formed (then the
+    API's own call takes the statistics-only path)."""
     need_dx = x.requires_grad
     need_dw = weight.requires_grad or (bias is not None and bias.requires_grad)
-    if not torch.is_grad_enabled() or not (need_dx or need_dw) or _autocast_device(x) is not None:
+    if not torch.is_grad_enabled() or not (need_dx or need_dw):
         return None
+    autocast = _autocast_device(x)
+    if autocast is not None:  # autocast's rule for linear, as the API applies it (then float32 inside)
+        x, weight, bias = (_autocast_cast(t, autocast) for t in (x, weight, bias))
+        with torch.autocast(x.device.type, enabled=False):
+            return _weighted_losses(x, weight, target, bias, group, start, vocab, weights, options, settings)
     settings = current() if settings is None else settings
     _check_shapes(x, weight, target, bias)
     lw = _check_loss_weights(weights, target, x, None)

@@ -1187,7 +1187,7 @@ def _rl_objective(model, batch, outputs) -> tuple:
     return torch.stack([logp * loss_mask, ent * loss_mask]).detach(), grads
 
 
-def _ii_rl(model_fn, tag: str, methods=("per-call", "install")) -> dict:
+def _ii_rl(model_fn, tag: str, methods=("per-call", "install", "swap")) -> dict:
     """(6) Per-token log-probabilities and entropies (temperature T_RL) with gradients through the hook, against
     Megatron's logits + log_softmax; the backward is the recompute strategy's one pass, no fused forward and no
     host read of a tensor."""
@@ -1205,8 +1205,9 @@ def _ii_rl(model_fn, tag: str, methods=("per-call", "install")) -> dict:
             return m(tokens, pos, causal, labels=labels, loss_mask=loss_mask, **kw)
 
         with contextlib.ExitStack() as stack:
-            if method == "install":
-                stack.enter_context(fm.install(model, output="logprobs", temperature=T_RL))
+            if method in ("install", "swap"):
+                stack.enter_context(fm.install(model, output="logprobs", temperature=T_RL,
+                                               method="swap" if method == "swap" else "auto"))
             _rl_objective(model, batch, outputs)  # warm-up (the once-per-layout shard check)
             with _HostReads() as reads, _Recomputes() as spy:
                 got = _rl_objective(model, batch, outputs)
@@ -1597,7 +1598,7 @@ def test_megatron_ii_single_rank():
     """Issue 62 items 1-7 at TP=1 in one forked process."""
     with tempfile.TemporaryDirectory() as tmp:
         res = run_ranks(_ii_worker, 1, tmp, timeout=400)
-    _check_ranks(res, lambda r: 375)  # every check ran
+    _check_ranks(res, lambda r: 395)  # every check ran
 
 
 @needs_megatron

@@ -1060,7 +1060,8 @@ def _ii_host_reads() -> dict:
         model.zero_grad(set_to_none=True)
         out = model(tokens, pos, causal, labels=labels, loss_mask=loss_mask, **call)
         (out * other).sum().backward()
-        return (out * loss_mask).detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return (out * loss_mask).detach(), grads
 
     model = _gpt(1, False, False)
     ref = objective(model)
@@ -1228,7 +1229,7 @@ def _ii_restore() -> dict:
     for method in ("swap", "hook"):
         model = _gpt(1, False, False)
         batch = _batch()
-        tokens, pos, causal, labels, loss_mask = batch
+        tokens, pos, causal, *_ = batch
         layer, calls = model.output_layer, []
 
         def forward(input_, weight=None, runtime_gather_output=None):  # e.g. a profiler's wrapper
@@ -1448,8 +1449,8 @@ def _ii_parallel_checks(rank: int, tmp: str) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     torch.manual_seed(0)
-    moe = GPTModel(_config(2, True, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, add_bias_linear=False,
-                           moe_token_dispatcher_type="alltoall"),
+    moe = GPTModel(_config(2, True, num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                           add_bias_linear=False, moe_token_dispatcher_type="alltoall"),
                    get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False), vocab_size=PADDED_V,
                    max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
     errs.update(_versus_schedule([moe], batches[:2], 2, "8 moe tp=2 sp"))
@@ -1558,7 +1559,7 @@ def _cuda_graph_checks(capture: bool = True) -> dict:
         errs[f"flag {name}: finite"] = all(bool(torch.isfinite(t).all()) for t in got)
         with torch.no_grad():  # back to the first batch for the next output
             hidden.copy_(x0)
-        x_, labels_, mask_, adv_ = batch(1)
+        _, labels_, mask_, adv_ = batch(1)
         labels.copy_(labels_), mask.copy_(mask_), adv.copy_(adv_)
     return errs
 

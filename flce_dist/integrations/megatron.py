@@ -139,8 +139,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import (_autocast_cast, _autocast_device, _check_loss_weights, _check_shapes, _check_target_range,
-                   _resolve)
+from ..api import _autocast_cast, _autocast_device, _check_loss_weights, _check_shapes, _check_target_range, _resolve
 from ..api import fused_linear_cross_entropy as _flce
 from ..api import logprobs_and_entropy as _logprobs_and_entropy
 from ..autograd import FLCEFunction, refuse_double_backward

@@ -1052,7 +1052,7 @@ def _ii_host_reads() -> dict:
                 _step(model, _batch(3))
         errs[f"flag 3 no host reads ({method}): {reads.reads}"] = not reads.reads
         errs[f"flag 3 fused ({method})"] = spy.calls == 0
-    tokens, pos, causal, labels, loss_mask = batch = _batch()
+    tokens, pos, causal, labels, loss_mask = _batch()
     g = torch.Generator().manual_seed(4)
     other = loss_mask * (1 + torch.rand(loss_mask.shape, generator=g))  # not c * loss_mask
 
@@ -1495,7 +1495,6 @@ def _cuda_graph_checks(capture: bool = True) -> dict:
 
     x0, labels, mask, adv = batch(1)
     hidden = x0.clone().requires_grad_()
-    tol = 1e-5 if cuda else 1e-6
     errs = {}
     for name, proc in (("loss", fm.output_processor), ("logprobs", fm.OutputProcessor(output="logprobs",
                                                                                        temperature=0.7))):

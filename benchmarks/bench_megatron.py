@@ -288,8 +288,8 @@ def main() -> None:
         write_csv(summary, "megatron_summary.csv", [args.out])
     print(f"\n=== bench_megatron summary (median step after {args.warmup} warm-up steps; memory of those steps: "
           f"whole step's peak, fwd/bwd's peak, fwd/bwd's peak above its resident start)")
-    print(f"{'impl':<9} {'step ms':>9} {'peak GiB':>9} {'fb peak':>8} {'fb extra':>9} {'loss[0]':>8} {'loss last10':>12} "
-          f"{'max|dloss| vs ' + impls[0]:>22}")
+    print(f"{'impl':<9} {'step ms':>9} {'peak GiB':>9} {'fb peak':>8} {'fb extra':>9} {'loss[0]':>8} "
+          f"{'loss last10':>12} {'max|dloss| vs ' + impls[0]:>22}")
     for s in summary:
         print(f"{s['impl']:<9} {s['step_ms']:>9.1f} {s['peak_gib']:>9.2f} {s['fb_peak_gib']:>8.2f} "
               f"{s['fb_extra_gib']:>9.2f} {s['loss_first']:>8.4f} {s['loss_last10']:>12.4f} "

@@ -649,7 +649,8 @@ def test_megatron_head_cuda_graph():
     """Issue 62 item 3: Megatron-Core's output layer + flce_dist's processor (the loss with loss_mask, and the RL
     log-probabilities + entropies), forward + backward captured in a torch.cuda.CUDAGraph: replays give the eager loss
     and gradients (also after a new batch is copied in), and the eager steady-state step makes no host sync
-    (``tests/test_megatron.py::_cuda_graph_checks``; needs megatron-core: carry its wheel, docs/integrations/megatron.md)."""
+    (``tests/test_megatron.py::_cuda_graph_checks``; needs megatron-core: carry its wheel,
+    docs/integrations/megatron.md)."""
     import tempfile
 
     from .test_megatron import HAVE_MEGATRON, _check_ranks, _cuda_graph_worker

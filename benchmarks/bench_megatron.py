@@ -11,10 +11,14 @@ schedule). Data: UTF-8 bytes of the corpus CPython ships (``pydoc_data.topics``,
 job's ``byte`` tokenizer) in sequences of ``--seq`` tokens, the same batches for every implementation;
 ``loss_mask`` drops the document separators.
 
-Implementations (``--impls``), each from the same seed in this process, one after the other:
-``native`` (``cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native"``: Megatron's fused
-vocab-parallel CE), ``unfused`` (``tensor_parallel.vocab_parallel_cross_entropy``), ``flce``
-(``flce_dist.integrations.megatron.install(model)``). Per implementation: the median step time over
+Implementations (``--impls``, default ``native,unfused,flce``: the three in one call), each from the
+same seed in this process, one after the other: ``native`` (``cross_entropy_loss_fusion=True,
+cross_entropy_fusion_impl="native"``: Megatron's fused vocab-parallel CE), ``unfused``
+(``tensor_parallel.vocab_parallel_cross_entropy``), ``flce``
+(``flce_dist.integrations.megatron.install(model)``: the fused head, its ``loss_mask`` gradient scaled
+on the device, no host sync), ``flce_host`` (``install(model, grad_check="host")``: the library's
+check of the gradient's form, one host sync per micro-batch's backward: what that sync costs). Per
+implementation: the median step time over
 the steps after ``--warmup`` (fwd + bwd + optimizer, synchronised), the loss of every step, and three
 memory numbers over those steps (``torch.cuda`` allocator statistics, GiB):
 
@@ -59,7 +63,7 @@ from flce_dist._timing import write_csv
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))  # launch/ and tests/ (after any tree on PYTHONPATH)
-IMPLS = ("native", "unfused", "flce")
+IMPLS = ("native", "unfused", "flce", "flce_host")
 
 
 def corpus_bytes() -> torch.Tensor:
@@ -129,10 +133,10 @@ def build(args, impl: str, device: torch.device):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     handle = None
-    if impl == "flce":
+    if impl in ("flce", "flce_host"):
         from flce_dist.integrations import megatron as flce_megatron
 
-        handle = flce_megatron.install(ddp)
+        handle = flce_megatron.install(ddp, grad_check="host" if impl == "flce_host" else "device")
     return model, ddp, opt, handle
 
 
@@ -220,7 +224,7 @@ def train(args, impl: str, data: list, device: torch.device) -> tuple[list[float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--impls", default="native,flce", help=f"comma list of {','.join(IMPLS)}")
+    ap.add_argument("--impls", default="native,unfused,flce", help=f"comma list of {','.join(IMPLS)}")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing and the memory peak")
     ap.add_argument("--seq", type=int, default=4096)
@@ -284,10 +288,10 @@ def main() -> None:
         write_csv(summary, "megatron_summary.csv", [args.out])
     print(f"\n=== bench_megatron summary (median step after {args.warmup} warm-up steps; memory of those steps: "
           f"whole step's peak, fwd/bwd's peak, fwd/bwd's peak above its resident start)")
-    print(f"{'impl':<8} {'step ms':>9} {'peak GiB':>9} {'fb peak':>8} {'fb extra':>9} {'loss[0]':>8} {'loss last10':>12} "
-          f"{'max|dloss| vs ' + impls[0]:>22}")
+    print(f"{'impl':<9} {'step ms':>9} {'peak GiB':>9} {'fb peak':>8} {'fb extra':>9} {'loss[0]':>8} "
+          f"{'loss last10':>12} {'max|dloss| vs ' + impls[0]:>22}")
     for s in summary:
-        print(f"{s['impl']:<8} {s['step_ms']:>9.1f} {s['peak_gib']:>9.2f} {s['fb_peak_gib']:>8.2f} "
+        print(f"{s['impl']:<9} {s['step_ms']:>9.1f} {s['peak_gib']:>9.2f} {s['fb_peak_gib']:>8.2f} "
               f"{s['fb_extra_gib']:>9.2f} {s['loss_first']:>8.4f} {s['loss_last10']:>12.4f} "
               f"{s['max_abs_dloss_vs_' + impls[0]]:>22.2e}")
     dist.destroy_process_group()

@@ -643,3 +643,21 @@ def test_new_token_count_costs_a_cached_call(head):
         print(f"[new N, {head}] {n} {f:.2f} {c:.2f} {f / c:.3f} {k}")
     assert sum(k for *_, k in rows) == 0, rows
     assert all(f <= 1.5 * c for _, f, c, _ in rows), rows
+
+
+def test_megatron_head_cuda_graph():
+    """Issue 62 item 3: Megatron-Core's output layer + flce_dist's processor (the loss with loss_mask, and the RL
+    log-probabilities + entropies), forward + backward captured in a torch.cuda.CUDAGraph: replays give the eager loss
+    and gradients (also after a new batch is copied in), and the eager steady-state step makes no host sync
+    (``tests/test_megatron.py::_cuda_graph_checks``; needs megatron-core: carry its wheel,
+    docs/integrations/megatron.md)."""
+    import tempfile
+
+    from .test_megatron import HAVE_MEGATRON, _check_ranks, _cuda_graph_worker
+    from ._checks import run_ranks
+
+    if not HAVE_MEGATRON:
+        pytest.skip("megatron-core is not installed")
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run_ranks(_cuda_graph_worker, 1, tmp, timeout=300)
+    _check_ranks(res, lambda r: 16)  # every check ran

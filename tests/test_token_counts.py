@@ -210,3 +210,47 @@ def test_every_kernel_takes_the_token_count_at_run_time():
     a, b = torch.randn(5, 8), torch.randn(7, 8)
     assert launch._arg_key((a,)) == launch._arg_key((b,)) and launch._arg_key((a,), exact=True) != launch._arg_key(
         (b,), exact=True)
+
+
+def test_long_varying_run_holds_no_growing_state():
+    """An RL-like run (120 calls, N drawn anew each call) after a warm-up: Helion's bound kernels, the launch
+    cache and the library's other caches stay at their size, and Python-level allocations do not grow (each
+    cache is bounded anyway: launch 1024, fast launcher 1024, the chunk plan's lru 1024, api memos 256)."""
+    import gc
+    import tracemalloc
+
+    from flce_dist import api, core
+    from flce_dist.kernels import fast_launch, launch
+
+    flce_dist.setup_reference_mode()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(7)
+    ns = torch.randint(17, 160, (150,), generator=g).tolist()
+    x_all, w0, t_all = _data(160, 8)
+    w = w0.clone().requires_grad_()
+
+    def step(n):
+        x = x_all[:n].clone().requires_grad_()
+        lp, ent = logprobs_and_entropy(x, w, t_all[:n])
+        (lp.sum() + F(x, w, t_all[:n]) + ent.sum()).backward()
+        w.grad = None
+
+    def sizes():
+        return (_bound(), _cache(), len(fast_launch._COMPILED), len(api._OPTIONS), len(api._PARAMS),
+                len(launch._DUMMIES), len(launch._CONFIGURED))
+
+    with flce_dist.override(blocks=SMALL_BLOCKS):
+        for n in ns[:30]:
+            step(n)
+        gc.collect()
+        before = sizes()
+        tracemalloc.start()
+        snap0 = tracemalloc.take_snapshot()
+        for n in ns[30:]:
+            step(n)
+        gc.collect()
+        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(snap0, "filename"))
+        tracemalloc.stop()
+    assert sizes() == before, (sizes(), before)
+    assert core._plan.cache_info().currsize <= 1024
+    assert grown < 256 << 10, grown  # bytes of Python objects left behind by 120 calls

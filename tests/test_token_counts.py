@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ H, V = 40, 203  # several tiles of every SMALL_BLOCKS dimension, none a multiple
 # tensor-descriptor layout guard (and the launch cache's key) tells apart: two layouts, both warmed here
 WARMS = (97, 100)
 WARM = WARMS[0]
-NEW = (101, 113, 128, 150, 171, 209, 256, 263)  # never seen: odd, % 16 == 0, > 2 tiles
+NEW = (101, 128, 171, 209, 263)  # never seen: odd, % 16 == 0, > 2 tiles
 
 
 def _bound() -> dict[str, int]:
@@ -159,6 +160,7 @@ def test_torch_compile_token_counts_do_not_recompile():
                 assert _bound() == bound, (mode, n)
             want = {"mark_dynamic": 1, "automatic": 2, "dynamic": frames}[mode]
             assert counter.frame_count == want, (mode, counter.frame_count, frames)
+    torch._dynamo.reset()
 
 
 def _tp_worker(rank: int, world: int, tmp: str) -> None:
@@ -212,45 +214,75 @@ def test_every_kernel_takes_the_token_count_at_run_time():
         (b,), exact=True)
 
 
+_LONG_RUN = r"""
+import collections, gc, json, sys
+import torch
+import flce_dist
+from flce_dist import api, core, fused_linear_cross_entropy as F, logprobs_and_entropy
+from flce_dist.kernels import fast_launch, launch
+from tests._checks import SMALL_BLOCKS
+
+flce_dist.setup_reference_mode()
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(7)
+ns = torch.randint(17, 160, (90,), generator=g).tolist()
+x_all, w, t_all = torch.randn(160, 40, generator=g), torch.randn(203, 40, generator=g), torch.randint(0, 203, (160,))
+w.requires_grad_()
+
+
+def step(n):
+    x = x_all[:n].clone().requires_grad_()
+    lp, ent = logprobs_and_entropy(x, w, t_all[:n])
+    (lp.sum() + F(x, w, t_all[:n]) + ent.sum()).backward()
+    w.grad = None
+
+
+def sizes():
+    return [sum(len(k._bound_kernels) for k in launch._kernels().values()), len(launch._CACHE),
+            len(fast_launch._COMPILED), len(api._OPTIONS), len(api._PARAMS), len(launch._DUMMIES),
+            len(launch._CONFIGURED), core._plan.cache_info().currsize]
+
+
+def census():
+    gc.collect()
+    return collections.Counter(type(o).__name__ for o in gc.get_objects() if type(o).__name__ != "MatmulFact")
+
+
+with flce_dist.override(blocks=SMALL_BLOCKS):
+    for n in ns[:30]:
+        step(n)
+    before = sizes()
+    for n in ns[30:65]:
+        step(n)
+    objs = census()
+    for n in ns[65:]:
+        step(n)
+    grown = {k: v for k, v in (census() - objs).items() if v > 0}
+print("RESULT " + json.dumps({"before": before, "after": sizes(), "grown": grown}))
+"""
+
+
 def test_long_varying_run_holds_no_growing_state():
-    """An RL-like run (120 calls, N drawn anew each call) after a warm-up: Helion's bound kernels, the launch
-    cache and the library's other caches stay at their size, and Python-level allocations do not grow (each
-    cache is bounded anyway: launch 1024, fast launcher 1024, the chunk plan's lru 1024, api memos 256)."""
-    import gc
-    import tracemalloc
+    """An RL-like run (N drawn anew at each of 90 calls) in a fresh process, after a warm-up: Helion's bound
+    kernels, the launch cache and the library's other caches stay at their size (each is bounded anyway: launch
+    1024, fast launcher 1024, api memos 256; the chunk plan's lru 1024 grows with new N up to its bound), and no
+    Python objects pile up over the last 25 calls. (Helion 1.4's reference mode appends a ``MatmulFact`` to its
+    compile environment at every ``hl.dot`` it runs eagerly, ~170 per call here: the CPU mode's own
+    bookkeeping, not counted; a compiled kernel traces ``hl.dot`` once.)"""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from flce_dist import api, core
-    from flce_dist.kernels import fast_launch, launch
-
-    flce_dist.setup_reference_mode()
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(7)
-    ns = torch.randint(17, 160, (150,), generator=g).tolist()
-    x_all, w0, t_all = _data(160, 8)
-    w = w0.clone().requires_grad_()
-
-    def step(n):
-        x = x_all[:n].clone().requires_grad_()
-        lp, ent = logprobs_and_entropy(x, w, t_all[:n])
-        (lp.sum() + F(x, w, t_all[:n]) + ent.sum()).backward()
-        w.grad = None
-
-    def sizes():
-        return (_bound(), _cache(), len(fast_launch._COMPILED), len(api._OPTIONS), len(api._PARAMS),
-                len(launch._DUMMIES), len(launch._CONFIGURED))
-
-    with flce_dist.override(blocks=SMALL_BLOCKS):
-        for n in ns[:30]:
-            step(n)
-        gc.collect()
-        before = sizes()
-        tracemalloc.start()
-        snap0 = tracemalloc.take_snapshot()
-        for n in ns[30:]:
-            step(n)
-        gc.collect()
-        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(snap0, "filename"))
-        tracemalloc.stop()
-    assert sizes() == before, (sizes(), before)
-    assert core._plan.cache_info().currsize <= 1024
-    assert grown < 256 << 10, grown  # bytes of Python objects left behind by 120 calls
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HELION_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", _LONG_RUN], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=300)
+    got = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert got, (res.stdout + res.stderr)[-3000:]
+    r = json.loads(got[-1][7:])
+    assert r["before"][:7] == r["after"][:7] and r["after"][7] <= 1024, r
+    # 25 calls: a leaked tensor with its autograd node, storage and grad_fn is >= 4 objects per call (100); what
+    # shows up instead is a burst of weakref / set / method objects (~50 in some windows, none in others)
+    assert sum(r["grown"].values()) < 100, r["grown"]

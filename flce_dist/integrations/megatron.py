@@ -238,7 +238,7 @@ def _head_softcap(layer: nn.Module, config: Any, weight: torch.Tensor | None) ->
     if inst is None and cls_fwd is base:
         return None
     cap = getattr(config, "final_logit_softcapping", None)
-    cap = float(cap) if isinstance(cap, numbers.Real) and not isinstance(cap, bool) and cap > 0 else None
+    cap = float(cap) if isinstance(cap, numbers.Real) and not isinstance(cap, bool) and float(cap) > 0 else None
     key = (cls_fwd, inst, cap)
     seen = _AUDITS.get(layer)
     if seen is not None and seen[0] == key:
@@ -254,7 +254,7 @@ def _probe(layer: nn.Module, weight: torch.Tensor | None, base: Callable | None,
     if base is None:
         raise ValueError(f"{_layer_name(layer)} is not a Megatron-Core linear (no megatron.core class in its MRO "
                          f"defines forward): flce_dist cannot tell what its forward computes")
-    w = layer.weight if weight is None else weight
+    w = cast("torch.Tensor | None", layer.weight) if weight is None else weight
     if w is None:
         raise ValueError(f"{_layer_name(layer)} has no weight and none was passed")
     x = torch.randn(1, 1, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
@@ -304,7 +304,7 @@ def _run_pre_hooks(layer: nn.Module, hidden: torch.Tensor, weight: torch.Tensor 
             out = hook(layer, args)
             if out is not None:
                 args = out if isinstance(out, tuple) else (out,)
-    return args[0], kwargs.get("weight", weight)
+    return args[0], cast("torch.Tensor | None", kwargs.get("weight", weight))
 
 
 # ---------------------------------------------------------------- the sync-free weighted path
@@ -395,7 +395,8 @@ def _weighted_losses(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
         return None
     autocast = _autocast_device(x)
     if autocast is not None:  # autocast's rule for linear, as the API applies it (then float32 inside)
-        x, weight, bias = (_autocast_cast(t, autocast) for t in (x, weight, bias))
+        x, weight = _autocast_cast(x, autocast), _autocast_cast(weight, autocast)
+        bias = None if bias is None else _autocast_cast(bias, autocast)
         with torch.autocast(x.device.type, enabled=False):
             return _weighted_losses(x, weight, target, bias, group, start, vocab, weights, options, settings)
     settings = current() if settings is None else settings
@@ -548,7 +549,7 @@ class OutputProcessor:
         if getattr(config, "use_mup", False) and mult != 1.0:
             temperature = temperature / mult
         x = hidden.reshape(s_local * b, h)
-        kw = dict(bias=bias, group=group if tp > 1 else None, vocab_start=start, vocab_size=vocab,
+        kw: dict[str, Any] = dict(bias=bias, group=group if tp > 1 else None, vocab_start=start, vocab_size=vocab,
                   sequence_parallel=sp, softcap=softcap, ignore_index=self.ignore_index, settings=self.settings)
         if self.output == "logprobs":
             if self.entropy:
@@ -723,9 +724,10 @@ def _install_hook(m: nn.Module, proc: OutputProcessor, handle: Installed) -> Non
 
     handle._undo.append(m.register_forward_pre_hook(pre_hook, with_kwargs=True).remove)
     if _has_hook(m, "build_schedule_plan"):  # the combined 1F1B schedule's entry (overlap_moe_expert_parallel_comm)
-        plan_sig = inspect.signature(type(m).build_schedule_plan)
+        cls: Any = type(m)  # a Megatron GPTModel class (untyped)
+        plan_sig = inspect.signature(cls.build_schedule_plan)
         prev = m.__dict__.get("build_schedule_plan")
-        build = prev if prev is not None else type(m).build_schedule_plan.__get__(m)
+        build = prev if prev is not None else cls.build_schedule_plan.__get__(m)
 
         def build_schedule_plan(*args: Any, **kwargs: Any):
             call = _call_args(plan_sig, m, args, kwargs)
@@ -764,7 +766,7 @@ def _install_swap(m: Any, proc: OutputProcessor, handle: Installed) -> None:  # 
         state.stash = (input_, weight)  # after the layer's pre-hooks (nn.Module.__call__ ran them)
         return input_.new_empty(0), None  # the "logits" the model scales and hands to compute_language_model_loss
 
-    layer_forward._flce_prev = prev_forward  # what the audit of the layer's forward looks through to
+    layer_forward._flce_prev = prev_forward  # type: ignore[attr-defined]  # what the audit of the layer's forward looks through to
 
     def compute_language_model_loss(labels: torch.Tensor, logits: torch.Tensor):
         if state.stash is None or state.pending is None:

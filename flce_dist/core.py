@@ -764,14 +764,13 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
     sp = p.sequence_parallel and group_size(group) > 1
     if sp:
         x = all_gather_rows(x, group)
-    g = row_weights(valid, p, num_items, acc_dtype(x.dtype),
-                    loss_weights=None if p.reduction == "none" else loss_weights)
-    if p.reduction == "none":
-        go = grad_loss.to(g.dtype)
+    acc = acc_dtype(x.dtype)
+    if p.reduction == "none":  # each row's own grad_output; an ignored token has no gradient, whatever it is
+        go = grad_loss.reshape(-1).to(acc)  # (a NaN or inf there, e.g. a masked PPO ratio, must not reach dW)
         go = all_gather_rows(go.contiguous(), group) if sp else go
-        g = g * go
+        g = torch.where(valid, go, torch.zeros((), dtype=acc, device=go.device))
     else:
-        g = g * grad_loss.to(g.dtype)
+        g = row_weights(valid, p, num_items, acc, loss_weights=loss_weights) * grad_loss.to(acc)
     mu = gh = None
     if grad_ent is not None:
         gh = grad_ent.reshape(-1).to(g.dtype)

@@ -64,6 +64,48 @@ def test_non_finite_inputs_propagate(small_tiles, where, bad, strategy):
         flce_dist.fused_linear_cross_entropy(x, w, t, strategy=strategy, check_finite=True)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("how", ["recompute", "auto", "entropy", "logprobs", "weighted"])
+def test_non_finite_grad_output_at_ignored_tokens_gives_no_gradient(small_tiles, bad, how):
+    """Issue 61, finding 4: ``reduction="none"`` with a NaN or inf ``grad_output`` at an ignored token (a masked
+    PPO ratio, ``0 * inf``): ignored tokens get no gradient (docs/api.md), as in torch, so dW and every other dX
+    row are those of the same grad_output with 0 there (before: all of dW and that dX row were NaN)."""
+    g = torch.Generator().manual_seed(61)
+    n, h, v = 19, 24, 70
+    x0, w0, b0 = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.3, torch.randn(v, generator=g)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[[2, 11]] = -100
+    lw = torch.rand(n, generator=g) + 0.5
+    go = torch.randn(n, generator=g)
+
+    def grads(go):
+        x, w, b = (u.clone().requires_grad_() for u in (x0, w0, b0))
+        if how == "logprobs":
+            logp, ent = flce_dist.logprobs_and_entropy(x, w, t, bias=b)
+            outs, gos = (logp, ent), (go, torch.where(t == -100, bad, 0.5))
+        else:
+            kw = dict(strategy="recompute") if how == "recompute" else {}
+            if how == "weighted":  # the fused 3-matmul path of per-token losses with weights
+                kw = dict(loss_weights=lw)
+                go = torch.where(t == -100, go, lw * 0.25)
+            out = flce_dist.fused_linear_cross_entropy(x, w, t, bias=b, reduction="none",
+                                                       return_entropy=how == "entropy", **kw)
+            outs, gos = (out if isinstance(out, tuple) else (out,)), (go, torch.zeros(n))
+        torch.autograd.backward(outs[:len(gos)], gos[:len(outs)])
+        return x.grad, w.grad, b.grad
+
+    masked = go.clone()
+    masked[t == -100] = bad
+    gx, gw, gb = grads(masked)
+    ok = go.clone()
+    ok[t == -100] = 0.0
+    rx, rw, rb = grads(ok)
+    valid = t != -100
+    assert torch.isfinite(gw).all() and torch.isfinite(gb).all() and torch.isfinite(gx[valid]).all()
+    assert rel(gw, rw) < 1e-6 and rel(gb, rb) < 1e-6 and rel(gx[valid], rx[valid]) < 1e-6
+    assert float(gx[~valid].abs().sum()) == 0.0
+
+
 def test_check_finite_passes_finite_loss(small_tiles):
     x, w = torch.randn(7, 16), torch.randn(9, 16)
     t = torch.randint(0, 9, (7,))

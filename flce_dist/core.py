@@ -80,7 +80,7 @@ from .chunking import chunk_rows, even_rows, gather_rows
 from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
                           reduce_scatter_rows)
 from .distributed.collectives import merge_stats
-from .distributed.guard import call_guard, raise_if_failed, verdict
+from .distributed.guard import call_guard, raise_if_failed, value_checksum, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
 from . import accumulate, chunking, rowscale
@@ -187,12 +187,19 @@ class _Tokens:
                           out=(self.tl, self.valid, self.bad))
             self.formed = True
 
+    def token_weights(self) -> torch.Tensor | None:
+        """The token weights (``loss_weights`` in the accumulation dtype, 0 on ignored tokens; None without
+        them), formed once: the guard's checksum and the loss read the same tensor."""
+        if self.tw is None and self.lw is not None:
+            self.targets()
+            self.tw = token_weights(self.valid, self.lw, self.acc)
+        return self.tw
+
     def weights(self, fused: bool = True) -> torch.Tensor | None:
         """The row weights ``g`` (fused: formed once; else None), after the token weights and the denominator."""
         self.targets()
         if not self.weighed:
-            if self.lw is not None:
-                self.tw = token_weights(self.valid, self.lw, self.acc)
+            self.token_weights()
             if self.p.reduction == "mean":
                 self.denom = (mean_denominator(self.valid, self.num_items, self.acc) if self.tw is None
                               else weighted_denominator(self.tw, self.num_items, self.acc))
@@ -213,17 +220,21 @@ class _Guard:
     ``ignore_index`` (``kernels/targets.py``; their loss becomes NaN)."""
 
     def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
-                 group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool | tuple) -> None:
+                 group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool | tuple,
+                 tokens: "_Tokens | None" = None) -> None:
         self.x, self.tgt, self.bad, self.p, self.rows = x, tgt, bad, p, rows
-        self.has_bias, self.needs_grad = has_bias, needs_grad
+        self.has_bias, self.needs_grad, self.tokens = has_bias, needs_grad, tokens
         self.raise_ok = can_raise(x, p)
         self.group, self.ok = group, None
 
     def words(self) -> torch.Tensor:
         """This rank's guard words (``guard.call_guard``)."""
         fields = (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
+        tk = self.tokens
+        values = None if tk is None else value_checksum(tk.token_weights(), tk.num_items)
         return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, fields,
-                          stale=self.p.stale_layout, count_bad=self.raise_ok, check_inputs=self.p.check_inputs)
+                          stale=self.p.stale_layout, count_bad=self.raise_ok, check_inputs=self.p.check_inputs,
+                          values=values)
 
     def combine(self, local: torch.Tensor) -> torch.Tensor:
         # a single rank has no peers to agree with: nothing to build
@@ -641,7 +652,8 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy, lw is not None)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None, need_dw) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
-    guard = _Guard(x, tgt, tokens.bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, lw is not None))
+    guard = _Guard(x, tgt, tokens.bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, lw is not None),
+                   tokens)
     if fused:
         stats, dx, dw, db = fused_forward_backward(x, weight, bias, tokens.tl, None, p, group, rows, guard, need_dx,
                                                    need_dw, tokens=tokens)

@@ -23,7 +23,9 @@ bool, so they carry nothing extra):
                                                                      tensors, check_finite=True;
                                                                      and with check_inputs=True
     6     raw bits of a float32 checksum of 16 rows of hidden        check_inputs=True only
-    7     0 (reserved)
+    7     checksum of the values of ``loss_weights`` (the token        with loss_weights or
+          weights, 0 on ignored tokens: their raw bits, as word 4)     num_items_in_batch (2-4
+          and of ``num_items_in_batch``                                small kernels each)
 
 Default cost per call with a group of P > 1 ranks: the small kernels that build words 2-4 and read
 the verdict, and the extra rows of the one all-gather (no host sync, nothing per token count that
@@ -49,10 +51,11 @@ import torch
 from .shard import call_signature
 
 WORDS = 8
-STALE, TOKENS, TARGETS, BAD, HIDDEN = 2, 3, 4, 5, 6
+STALE, TOKENS, TARGETS, BAD, HIDDEN, WEIGHTS = 2, 3, 4, 5, 6, 7
 # what a difference in a word most likely means (the words compared for equality)
 _FIELDS = {0: "the call (options, settings, vocabulary size, hidden size, dtype or gradient need)", 1: "the call",
-           TOKENS: "the number of tokens or the chunk plan", TARGETS: "the targets", HIDDEN: "the hidden states"}
+           TOKENS: "the number of tokens or the chunk plan", TARGETS: "the targets", HIDDEN: "the hidden states",
+           WEIGHTS: "loss_weights or num_items_in_batch"}
 # what a difference in a word most likely means, said after it
 _HINTS = {TARGETS: " (target holds GLOBAL vocabulary ids in [0, V), the same ids on every rank: not ids local to a "
                    "rank's shard, and no rank subtracts its vocab_start)"}
@@ -102,14 +105,37 @@ def _coefficients(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t``'s values as int64 (a value checksum: exact, order-free once multiplied and summed);
+    8-byte values folded into their low 32 bits (the word keeps those)."""
+    b = t.contiguous().view(_BITS[t.element_size()]).to(torch.int64)
+    return b ^ (b >> 32) if t.element_size() == 8 else b
+
+
+def value_checksum(weights: torch.Tensor | None, num_items: torch.Tensor | None) -> torch.Tensor | None:
+    """Word 7: ``sum_n bits(w_n) * c_n + bits(num_items) * c`` (wrapping int64, low 32 bits as int32 ``[1]``), or
+    None where neither is given. ``weights`` [N]: the token weights as the loss uses them (0 on ignored tokens)."""
+    total = None
+    if weights is not None and weights.numel():
+        total = (_bits(weights) * _coefficients(weights.numel(), weights.device)).sum()
+    if num_items is not None:
+        item = _bits(num_items.reshape(1).to(torch.float64))[0] * 0x9E3779B1  # 50 and 50.0: one count
+        total = item if total is None else total + item.to(total.device)
+    return None if total is None else total.to(torch.int32).view(1)
+
+
 def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_size: int, rows: int,
-               fields: tuple, *, stale: bool = False, count_bad: bool = True, check_inputs: bool = False
-               ) -> torch.Tensor:
+               fields: tuple, *, stale: bool = False, count_bad: bool = True, check_inputs: bool = False,
+               values: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids,
     int64), ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks
     them); ``fields``: what else every rank must agree on (options, settings, bias, gradient need).
     ``stale``: this rank's shard is not the one the shard check saw (word 2). ``count_bad``: fill
-    word 5 (where a failure raises); ``check_inputs``: words 5 and 6 (the opt-in debugging checks).
+    word 5 (where a failure raises); ``check_inputs``: words 5 and 6 (the opt-in debugging checks);
+    ``values``: word 7, :func:`value_checksum` of the loss weights and ``num_items_in_batch`` (None: 0).
     No host sync in steady state, and none for a new token count: word 3 is a device fill (a kernel
     argument, not a copy)."""
     sig = call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
@@ -128,9 +154,9 @@ def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_s
     if n and check_inputs:
         sample = torch.linspace(0, n - 1, min(n, 16), device=dev).long()
         parts.append(x.index_select(0, sample).float().sum().view(torch.int32).view(1))
-        parts.append(_zeros(1, dev))
     else:
-        parts.append(_zeros(2, dev))
+        parts.append(_zeros(1, dev))
+    parts.append(_zeros(1, dev) if values is None else values)
     return torch.cat(parts)
 
 

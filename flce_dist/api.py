@@ -8,9 +8,11 @@ this signature lists them as keywords for readers and IDEs (and passes them on i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import numbers
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,9 @@ import torch.distributed as dist
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import resolve_call, resolve_shard
+from .distributed.agree import Replan
+from .distributed.guard import call_digest
+from .distributed.shard import agree_call, agree_new
 from .distributed.dtensor import is_dtensor, unwrap
 from .options import FLCEParams, LossOptions
 from .settings import Settings, current
@@ -41,6 +46,76 @@ def _apply(*args):
 
 
 _eager = torch._disable_dynamo(_apply)
+_agree = torch._disable_dynamo(agree_call)
+_agree_new = torch._disable_dynamo(agree_new)
+
+
+class _Plan(NamedTuple):
+    """An agreed call's plan as a stand-in runs it (``distributed/agree.py``): ``fields`` (the API's: hidden
+    size, dtype, bias, gradient need, num_items given, options, settings, loss_weights' dtype, device type),
+    the device and the call's FLCEParams (the effective options: strategy under no_grad, sequence parallelism)."""
+
+    fields: tuple
+    device: torch.device
+    params: FLCEParams
+
+
+def _effective(options: LossOptions, tp: int) -> LossOptions:
+    """The options the core runs: the API's replacements below (evaluation: statistics only; no sequence
+    parallelism on one rank)."""
+    if not torch.is_grad_enabled():
+        options = options.replace(strategy="recompute")
+    return options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
+
+
+def _plan(fields: tuple, device: torch.device, options: LossOptions, settings: Settings, start: int,
+          vocab: int) -> _Plan:
+    return _Plan(fields, device, FLCEParams(start, vocab, options, settings))
+
+
+def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target: torch.Tensor,
+              options: LossOptions, dt, inputs: tuple) -> object:
+    """Run ``plan`` (the call every rank expected) in place of this rank's call, whose plan has ``digest``
+    (``distributed/agree.py``): the core on stand-in inputs of ``n`` tokens (zeros, an empty shard: it
+    computes nothing but issues the plan's collectives, forward and, when autograd runs it, backward), its
+    guard sending ``digest`` so that every rank's guard fails. Raises the guard's ``ValueError`` where the plan
+    raises (CPU tensors, ``check_finite``), :class:`Replan` where every rank changed to this call's plan;
+    else returns this call's outputs, NaN (0 for the per-token values of ignored tokens), shaped as they would
+    be: the loss's and the entropy's gradients flow into the stand-in's loss and entropy (so that its backward
+    runs, with the same gradients present, where its peers' runs), and the ``inputs`` that need a gradient
+    get NaN ones (as on its peers, whose guard failed)."""
+    h, dtype, has_bias, need_dx, need_dw, num_items, _, _, lw_dtype, _ = plan.fields
+    dev = plan.device
+    with torch.enable_grad() if need_dx or need_dw else torch.no_grad():
+        x = torch.zeros(n, h, dtype=getattr(torch, dtype.split(".")[-1]), device=dev, requires_grad=need_dx)
+        w = torch.zeros(0, h, dtype=x.dtype, device=dev, requires_grad=need_dw)
+        b = torch.zeros(0, dtype=x.dtype, device=dev) if has_bias else None
+        lw = None if lw_dtype is None else torch.ones(n, dtype=getattr(torch, lw_dtype.split(".")[-1]), device=dev)
+        items = torch.ones((), device=dev) if num_items else None
+        p = dataclasses.replace(plan.params, stand_in=digest)
+        loss, _, _, ent = _eager(x, w, b, torch.zeros(n, dtype=torch.int64, device=dev), items, p, group, lw)
+    tokens = target.reshape(-1)
+    nan = torch.full(tokens.shape, float("nan"), device=tokens.device)
+    per_token = torch.where(tokens == options.ignore_index, 0.0, nan)
+    mine = [u.sum() * float("nan") for u in inputs if u is not None and u.requires_grad and torch.is_grad_enabled()]
+
+    def linked(value: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        if not (into.requires_grad or mine):
+            return value
+        with torch.enable_grad():  # also under no_grad here when the plan forms gradients (its backward must run)
+            parts = ([into.float().sum() * 0.0] if into.requires_grad else []) + mine
+            return value + sum(parts).to(value.device)
+
+    out = linked(per_token if options.reduction == "none" else nan.new_full((), float("nan")), loss)
+    out = out.reshape(target.shape) if options.reduction == "none" else out
+    extras = (([nan.reshape(target.shape)] if options.return_lse else [])
+              + ([torch.zeros(target.shape, dtype=torch.bool, device=tokens.device)]
+                 if options.return_token_accuracy else [])
+              + ([linked(per_token, ent).reshape(target.shape)] if options.return_entropy else []))
+    if dt is not None:
+        out = dt.wrap_tokens(out) if options.reduction == "none" else out
+        extras = [dt.wrap_tokens(e) for e in extras]
+    return (out, *extras) if extras else out
 
 
 # The validated LossOptions of the keyword values seen (a frozen object, shared by the calls that pass the same
@@ -379,18 +454,26 @@ def fused_linear_cross_entropy(
     if meta and (group is not None or loss_weights is not None):
         raise ValueError("meta tensors (shapes only) work without a group or loss_weights (a group's shard check is "
                          "a collective; loss_weights run eagerly)")
+    stand_in = None
     if group is None:  # no collective: stays inside a compiled graph
         (start, vocab, stale), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
                                                               vocab_size=vocab_size), "", 1
-    else:  # the call's fields, compared across ranks once per layout (distributed/shard.py)
+    else:  # the call's plan: what shapes its collectives, agreed across ranks (distributed/agree.py, shard.py)
         fields = (h, str(hidden.dtype), bias is not None, need_dx, need_dw, num_items_in_batch is not None,
-                  options.signature(), settings.astuple(), loss_weights is not None)
+                  options.signature(), settings.astuple(), None if loss_weights is None else str(loss_weights.dtype),
+                  hidden.device.type)
         if compiling:  # traced: run once at trace time, its result a graph constant (assume_constant_result)
             start, vocab, group_name, tp, stale = resolve_call(group.group_name, weight, vocab_start, hidden.device,
                                                                -1, fields, vocab_size)
-        else:
+        elif dist.get_world_size(group) == 1:
             start, vocab, group_name, tp, stale = _resolve(group, weight, vocab_start, hidden.device, x.shape[0],
                                                            fields, vocab_size)
+        else:  # predicted from the group's agreed calls, or agreed now, or stood in for (agree.py)
+            group_name, tp = group.group_name, dist.get_world_size(group)
+            agreed = (group, weight, vocab_start, hidden.device, x.shape[0], fields, vocab_size,
+                      call_digest(*fields, vocab_size, vocab_start is None),
+                      functools.partial(_plan, fields, hidden.device, _effective(options, tp), settings))
+            start, vocab, stale, stand_in = _agree(*agreed)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
         _check_target_range(t, vocab, options.ignore_index)
@@ -407,6 +490,12 @@ def fused_linear_cross_entropy(
                                                     FLCEParams.encode(start, vocab, options, settings, stale),
                                                     need_dx, need_dw, group_name)
         else:
+            if stand_in is not None:  # this call is not the plan every rank expects: run that plan in its place
+                try:
+                    return _stand_in(stand_in, agreed[7], x.shape[0], group, target, options, dt,
+                                     (hidden, weight, bias))
+                except Replan:  # every rank changed to this call's plan: agree on it, then run the call
+                    start, vocab, stale = _agree_new(*agreed)
             params = _params(start, vocab, options, settings, stale, okey if options is given else None)
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
                                              params, group, loss_weights)

@@ -80,7 +80,7 @@ from .chunking import chunk_rows, even_rows, gather_rows
 from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
                           reduce_scatter_rows)
 from .distributed.collectives import merge_stats
-from .distributed.guard import call_guard, raise_if_failed, value_checksum, verdict
+from .distributed.guard import call_guard, plan_digest, raise_if_failed, settle_stand_in, value_checksum, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
 from . import accumulate, chunking, rowscale
@@ -229,12 +229,14 @@ class _Guard:
 
     def words(self) -> torch.Tensor:
         """This rank's guard words (``guard.call_guard``)."""
-        fields = (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
         tk = self.tokens
         values = None if tk is None else value_checksum(tk.token_weights(), tk.num_items)
-        return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, fields,
+        return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, self.fields(),
                           stale=self.p.stale_layout, count_bad=self.raise_ok, check_inputs=self.p.check_inputs,
-                          values=values)
+                          values=values, digest=self.p.stand_in or None)
+
+    def fields(self) -> tuple:
+        return (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
 
     def combine(self, local: torch.Tensor) -> torch.Tensor:
         # a single rank has no peers to agree with: nothing to build
@@ -245,6 +247,8 @@ class _Guard:
     def settle(self, st: torch.Tensor, guards: torch.Tensor | None) -> torch.Tensor:
         """The verdict of the gathered ``guards`` (the first chunk's; None later) applied to ``st``."""
         if guards is not None:
+            if self.p.stand_in:  # this rank runs the predicted plan in place of its call (distributed/agree.py)
+                settle_stand_in(guards, plan_digest(self.x, self.p.vocab_size, self.fields()))
             if self.raise_ok:
                 raise_if_failed(guards)
             # 0 where every rank agrees, else NaN: one add per chunk poisons the lse

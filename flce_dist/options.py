@@ -196,13 +196,16 @@ class FLCEParams:
     """What the autograd core receives: this rank's vocabulary slice, the options and the settings.
     Option attributes read through (``p.reduction`` is ``p.options.reduction``). ``stale_layout``:
     this rank's shard is not the one the once-per-layout check saw for the same stated layout
-    (``distributed/shard.py``); the per-call guard then fails on every rank of the group."""
+    (``distributed/shard.py``); the per-call guard then fails on every rank of the group. ``stand_in``
+    (nonzero): this call stands in for a call of another plan, whose digest it is (``distributed/agree.py``):
+    its guard sends that digest, so the guard fails on every rank."""
 
     vocab_start: int
     vocab_size: int
     options: LossOptions
     settings: Settings
     stale_layout: bool = False
+    stand_in: int = 0
 
     def __getattr__(self, name: str) -> Any:  # only called for names that are not fields
         if name.startswith("__"):

@@ -50,6 +50,14 @@ def _guard_path(poison: bool):
         core.can_raise = real
 
 
+@contextlib.contextmanager
+def _restore(obj, name: str, value):
+    try:
+        yield
+    finally:
+        setattr(obj, name, value)
+
+
 def _data(rank: int, world: int, seed: int = 0):
     import flce_dist
 
@@ -77,11 +85,18 @@ def _case_worker(rank, world, group, payload):
     from flce_dist.distributed.shard import clear_shard_cache
     from tests._checks import SMALL_BLOCKS
 
+    from flce_dist import chunking
+
     case, poison, strategy = payload["case"], payload["poison"], payload.get("strategy", "auto")
     odd = rank == payload.get("odd", world - 1)
     x, w, t, lw, lo, hi = _data(rank, world)
+    dtype = getattr(torch, payload.get("dtype", "float32"))
+    x, w = x.to(dtype), w.to(dtype)
     clear_shard_cache()
-    with _guard_path(poison), settings.override(blocks=SMALL_BLOCKS):
+    budget = chunking.CPU_CHUNK_BYTES
+    # a budget that gives several token chunks: the fused plan of a 16-bit call then depends on need_dW
+    chunking.CPU_CHUNK_BYTES = payload.get("cpu_chunk_bytes", budget)
+    with _guard_path(poison), settings.override(blocks=SMALL_BLOCKS), _restore(chunking, "CPU_CHUNK_BYTES", budget):
         F = flce_dist.fused_linear_cross_entropy
         base = dict(group=group, vocab_size=V, strategy=strategy, reduction=payload.get("reduction", "mean"),
                     deterministic=payload.get("deterministic", False))
@@ -152,13 +167,16 @@ def test_finding1_values_that_differ_across_ranks(pool, poison, case, reduction,
 @pytest.mark.parametrize("poison", [False, True], ids=["host-verdict", "device-verdict"])
 @pytest.mark.parametrize("case,strategy,deterministic", [
     ("hidden_frozen", "fused", False), ("hidden_frozen", "recompute", False), ("hidden_frozen", "fused", True),
-    ("weight_frozen", "fused", False), ("partial_dx", "fused", False), ("partial_dx", "recompute", False),
-    ("no_grad", "fused", False), ("no_grad", "recompute", False)])
+    ("weight_frozen", "fused", False), ("weight_frozen_plan", "fused", False), ("partial_dx", "fused", False),
+    ("partial_dx", "recompute", False), ("no_grad", "fused", False), ("no_grad", "recompute", False)])
 def test_finding2_collectives_never_depend_on_one_ranks_fields(pool, poison, case, strategy, deterministic):
     """Finding 2: a rank that alone changes which gradients it needs, partial_dx or grad mode: before, it
     issued other collectives than its peers (the dX all-reduce of the fused forward, the deterministic
-    path, the recompute backward's) and one rank waited until the group's timeout."""
-    outs = pool.run(_case_worker, dict(case=case, poison=poison, strategy=strategy, deterministic=deterministic))
+    path, the recompute backward's, a bf16 chunk plan that depends on need_dW: 4 token chunks with dW, 10
+    without) and one rank waited until the group's timeout or died of the mismatch."""
+    extra = dict(dtype="bfloat16", cpu_chunk_bytes=128) if case == "weight_frozen_plan" else {}
+    outs = pool.run(_case_worker, dict(case=case.replace("_plan", ""), poison=poison, strategy=strategy,
+                                       deterministic=deterministic, **extra))
     _check(outs, poison, ("call",))
 
 

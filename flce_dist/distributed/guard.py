@@ -127,18 +127,25 @@ def value_checksum(weights: torch.Tensor | None, num_items: torch.Tensor | None)
     return None if total is None else total.to(torch.int32).view(1)
 
 
+def plan_digest(x: torch.Tensor, vocab_size: int, fields: tuple) -> int:
+    """Words 0 and 1 of a call on ``x`` (its hidden size and dtype) with these ``fields`` (options, settings,
+    bias, gradient need): what every rank that makes the same call sends."""
+    return call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
+
+
 def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_size: int, rows: int,
                fields: tuple, *, stale: bool = False, count_bad: bool = True, check_inputs: bool = False,
-               values: torch.Tensor | None = None) -> torch.Tensor:
+               values: torch.Tensor | None = None, digest: int | None = None) -> torch.Tensor:
     """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids,
     int64), ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks
     them); ``fields``: what else every rank must agree on (options, settings, bias, gradient need).
     ``stale``: this rank's shard is not the one the shard check saw (word 2). ``count_bad``: fill
     word 5 (where a failure raises); ``check_inputs``: words 5 and 6 (the opt-in debugging checks);
-    ``values``: word 7, :func:`value_checksum` of the loss weights and ``num_items_in_batch`` (None: 0).
+    ``values``: word 7, :func:`value_checksum` of the loss weights and ``num_items_in_batch`` (None: 0);
+    ``digest``: words 0 and 1 in place of :func:`plan_digest`'s (a stand-in sends its own call's, ``agree.py``).
     No host sync in steady state, and none for a new token count: word 3 is a device fill (a kernel
     argument, not a copy)."""
-    sig = call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
+    sig = plan_digest(x, vocab_size, fields) if digest is None else digest
     n, dev = x.shape[0], x.device
     parts = [_head_words(sig, bool(stale), dev),
              torch.full((1,), ((n % 32768) << 16) + rows % 65536, dtype=torch.int32, device=dev)]
@@ -165,6 +172,23 @@ def verdict(guards: torch.Tensor) -> torch.Tensor:
     outside [0, V). One compare against rank 0's row with words 2 and 5 zeroed: equal on every rank
     (rank 0 included) means equal across ranks and those words 0."""
     return (guards == guards[0] * _keep_mask(guards.device)).all()
+
+
+def settle_stand_in(guards: torch.Tensor, predicted: int) -> None:
+    """A stand-in's reading of the gathered ``guards`` (a host sync; ``agree.py``): every rank stood in
+    (no rank sent ``predicted``, the plan every rank expected) for the same call: :class:`agree.Replan`;
+    every rank stood in, for different calls: the same ``ValueError`` on every rank (each read them). Else
+    some ranks ran the predicted call: nothing here (the guard fails on every rank)."""
+    from .agree import Replan
+
+    g = guards.cpu()
+    head = g[:, :2]
+    want = torch.tensor([predicted & 0x7FFFFFFF, (predicted >> 31) & 0x7FFFFFFF], dtype=head.dtype)
+    if bool((head == want).all(1).any()):
+        return
+    if bool((head == head[0]).all()):
+        raise Replan()
+    raise_if_failed(g)
 
 
 def raise_if_failed(guards: torch.Tensor) -> None:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import weakref
 import zlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from . import agree
 from .collectives import all_gather_rows
 from .dtensor import chunk_span
 from .groups import group_size
@@ -70,8 +72,10 @@ _SHARD_CACHE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, tuple]]"
 
 
 def clear_shard_cache() -> None:
-    """Forget every checked layout (each rank must call it at the same point of its program)."""
+    """Forget every checked layout and every group's history of agreed calls (``agree.py``): the next call
+    on each group runs the handshake. Each rank must call it at the same point of its program."""
     _SHARD_CACHE.clear()
+    agree.clear()
 
 
 _FULL_WEIGHT = ("every rank passed {v} rows, the whole vocabulary: with group= each rank passes only its own "
@@ -129,7 +133,7 @@ def call_signature(*fields: object) -> int:
 
 def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, vocab_start: int | None,
                   device: torch.device, n_tokens: int = -1, fields: tuple = (),
-                  vocab_size: int | None = None) -> tuple[int, int, bool]:
+                  vocab_size: int | None = None, force: bool = False) -> tuple[int, int, bool]:
     """``(vocab_start, vocab_size, stale)`` of this rank; ``weight``: this rank's ``[V_local, H]``
     shard (or only its row count ``V_local``).
 
@@ -155,7 +159,10 @@ def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, v
     Never a rank alone in a collective, never a finite wrong loss.
 
     Later calls are checked per call by the guard of the statistics collective (the call signature,
-    the token count, the targets), which every rank sees."""
+    the token count, the targets), which every rank sees.
+
+    ``force``: run the handshake whatever the cache holds (:func:`agree_call`: a group without a history of
+    agreed calls, or a plan that every rank changed to); every rank of the group passes it alike."""
     v_local = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(weight)
     if group is None or dist.get_world_size(group) == 1:
         if vocab_start not in (None, 0):
@@ -171,16 +178,57 @@ def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, v
     key = (vocab_size, vocab_start is None, torch.device(dev).type, shape)  # shared by every rank
     checked = _SHARD_CACHE.setdefault(group, {})
     mine = (v_local, vocab_start)
-    hit = checked.get(key)
+    hit = None if force else checked.get(key)
     if hit is None:
         if len(checked) > 1024:  # every rank clears at the same call (the keys are shared)
             checked.clear()
+            agree.clear()  # the agreed plans' layouts are gone: the next call agrees again (every rank)
         start, vocab = _handshake(group, v_local, vocab_start, dev, int(n_tokens), fields, vocab_size)
         checked[key] = hit = (mine, start, vocab)
     seen, start, vocab = hit
     if seen != mine:  # another shard under the same stated layout: the guard fails on every rank
         return (start if vocab_start is None else vocab_start), vocab, True
     return start, vocab, False
+
+
+def agree_call(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start: int | None, device: torch.device,
+               n_tokens: int, fields: tuple, vocab_size: int | None, digest: int,
+               make_plan: Callable[[int, int], object]) -> tuple:
+    """An eager call on a group of P > 1 ranks whose plan (everything that shapes its collectives: ``fields``
+    and the stated layout) has the digest ``digest``: ``(vocab_start, vocab_size, stale, stand_in)``
+    (``agree.py``).
+
+    ``stand_in`` None: the call's plan is the one every rank predicted from the group's history of agreed
+    calls (a hit: the layout from the cache, no collective, no sync), or the group had no history (every
+    rank ran the handshake, which raises the same ``ValueError`` on every rank where the calls differ, and
+    recorded ``make_plan(vocab_start, vocab_size)``). Else ``stand_in`` is the predicted plan's record and
+    ``vocab_start``, ``vocab_size`` None: this rank's call is not the predicted one, and the caller runs
+    that plan in its place (``api._stand_in``; on :class:`agree.Replan`, :func:`agree_new`, then the call)."""
+    hist = agree.history(group)
+    pred = hist.predict()
+    if pred is not None and pred != digest:
+        hist.advance(pred)  # what every rank runs: the predicted plan (or, where a call differs, its stand-in)
+        return None, None, False, hist.plans[pred]
+    # cold (every rank is: every rank agrees now) or a hit (the layout cache holds the plan's layout)
+    start, vocab, stale = resolve_shard(group, weight, vocab_start, device, n_tokens, fields, vocab_size,
+                                        force=pred is None)
+    if pred is None:
+        hist.record(digest, make_plan(start, vocab))
+    hist.advance(digest)
+    return start, vocab, stale, None
+
+
+def agree_new(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start: int | None, device: torch.device,
+              n_tokens: int, fields: tuple, vocab_size: int | None, digest: int,
+              make_plan: Callable[[int, int], object]) -> tuple[int, int, bool]:
+    """After :class:`agree.Replan` (every rank of the group stood in for one new plan, ``digest``): every rank
+    runs the handshake for it (the same ``ValueError`` on every rank if the calls still differ, e.g. in the
+    token count), records it and notes that it ran: ``(vocab_start, vocab_size, stale)``."""
+    start, vocab, stale = resolve_shard(group, weight, vocab_start, device, n_tokens, fields, vocab_size, force=True)
+    hist = agree.history(group)
+    hist.record(digest, make_plan(start, vocab))
+    hist.redo(digest)
+    return start, vocab, stale
 
 
 def resolve_call(group: dist.ProcessGroup | str | None, weight: torch.Tensor | int, vocab_start: int | None,

@@ -17,6 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import core
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import resolve_call, resolve_shard
@@ -79,12 +80,14 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
     (``distributed/agree.py``): the core on stand-in inputs of ``n`` tokens (zeros, an empty shard: it
     computes nothing but issues the plan's collectives, forward and, when autograd runs it, backward), its
     guard sending ``digest`` so that every rank's guard fails. Raises the guard's ``ValueError`` where the plan
-    raises (CPU tensors, ``check_finite``), :class:`Replan` where every rank changed to this call's plan;
+    raises (CPU tensors, ``check_finite``) or where every rank stood in and one of their own calls would
+    (``guard.settle_stand_in``), :class:`Replan` where every rank changed to this call's plan;
     else returns this call's outputs, NaN (0 for the per-token values of ignored tokens), shaped as they would
     be: the loss's and the entropy's gradients flow into the stand-in's loss and entropy (so that its backward
     runs, with the same gradients present, where its peers' runs), and the ``inputs`` that need a gradient
     get NaN ones (as on its peers, whose guard failed)."""
     h, dtype, has_bias, need_dx, need_dw, num_items, _, _, lw_dtype, _ = plan.fields
+    raises = core.can_raise(target, options)  # this call's own guard path: CPU tensors or check_finite
     dev = plan.device
     with torch.enable_grad() if need_dx or need_dw else torch.no_grad():
         x = torch.zeros(n, h, dtype=getattr(torch, dtype.split(".")[-1]), device=dev, requires_grad=need_dx)
@@ -92,7 +95,7 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
         b = torch.zeros(0, dtype=x.dtype, device=dev) if has_bias else None
         lw = None if lw_dtype is None else torch.ones(n, dtype=getattr(torch, lw_dtype.split(".")[-1]), device=dev)
         items = torch.ones((), device=dev) if num_items else None
-        p = dataclasses.replace(plan.params, stand_in=digest)
+        p = dataclasses.replace(plan.params, stand_in=(digest, raises))
         loss, _, _, ent = _eager(x, w, b, torch.zeros(n, dtype=torch.int64, device=dev), items, p, group, lw)
     tokens = target.reshape(-1)
     nan = torch.full(tokens.shape, float("nan"), device=tokens.device)

@@ -233,7 +233,8 @@ class _Guard:
         values = None if tk is None else value_checksum(tk.token_weights(), tk.num_items)
         return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, self.fields(),
                           stale=self.p.stale_layout, count_bad=self.raise_ok, check_inputs=self.p.check_inputs,
-                          values=values, digest=self.p.stand_in or None)
+                          values=values, digest=self.p.stand_in[0] if self.p.stand_in else None,
+                          raises=bool(self.p.stand_in) and self.p.stand_in[1])
 
     def fields(self) -> tuple:
         return (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
@@ -376,6 +377,9 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     helion_logits = _helion_logits(x, p)
     rs = _row_scale_form(x, b is not None, p) and n > 0 and v > 0
     ref = rowscale.reference(x, w, p.logit_scale) if rs else None
+    if n == 0:  # no token chunk: the call's guard still goes round (one all-gather of the guard words alone), so
+        # that a call differing on one rank is seen on every rank at N = 0 too (distributed/agree.py's stand-ins)
+        guard.combine(torch.empty(0, 4, dtype=acc_dtype(x.dtype), device=x.device))
     # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
     for i in range(0, n, rows):

@@ -197,15 +197,16 @@ class FLCEParams:
     Option attributes read through (``p.reduction`` is ``p.options.reduction``). ``stale_layout``:
     this rank's shard is not the one the once-per-layout check saw for the same stated layout
     (``distributed/shard.py``); the per-call guard then fails on every rank of the group. ``stand_in``
-    (nonzero): this call stands in for a call of another plan, whose digest it is (``distributed/agree.py``):
-    its guard sends that digest, so the guard fails on every rank."""
+    (``(digest, raises)``, or empty): this call stands in for a call of another plan (``distributed/agree.py``),
+    whose digest its guard sends (so the guard fails on every rank) and which raises where a failed guard
+    would (CPU tensors, ``check_finite``)."""
 
     vocab_start: int
     vocab_size: int
     options: LossOptions
     settings: Settings
     stale_layout: bool = False
-    stand_in: int = 0
+    stand_in: tuple = ()
 
     def __getattr__(self, name: str) -> Any:  # only called for names that are not fields
         if name.startswith("__"):

@@ -15,7 +15,8 @@ bool, so they carry nothing extra):
     0, 1  digest of the call: options, settings, global V, hidden   always (a cached device copy,
           size, dtype, gradient need                                 built once per call digest)
     2     1 if this rank's shard is not the one the shard check      always (in that same copy)
-          saw for this stated layout (``FLCEParams.stale_layout``)
+          saw for this stated layout (``FLCEParams.stale_layout``);
+          + 2 from a stand-in whose own call raises (``agree.py``)
     3     global token count N and rows per chunk                    always (one device fill)
     4     checksum of the (global) targets: sum_n t_n * c_n,         always (3 small kernels)
           wrapping int64, low 32 bits
@@ -71,11 +72,11 @@ _CACHE_SIZE = 64
 
 
 @lru_cache(maxsize=_CACHE_SIZE)
-def _head_words(sig: int, stale: bool, device: torch.device) -> torch.Tensor:
+def _head_words(sig: int, stale: int, device: torch.device) -> torch.Tensor:
     """Words 0-2 on the device: one host-to-device copy per distinct call digest (cached, bounded;
     a copy from pageable memory waits for the stream, so never per step). Nothing here is per token
     count: RL and evaluation change N every call."""
-    return torch.tensor([sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF, int(stale)], dtype=torch.int32, device=device)
+    return torch.tensor([sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF, stale], dtype=torch.int32, device=device)
 
 
 @lru_cache(maxsize=8)
@@ -135,19 +136,21 @@ def plan_digest(x: torch.Tensor, vocab_size: int, fields: tuple) -> int:
 
 def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_size: int, rows: int,
                fields: tuple, *, stale: bool = False, count_bad: bool = True, check_inputs: bool = False,
-               values: torch.Tensor | None = None, digest: int | None = None) -> torch.Tensor:
+               values: torch.Tensor | None = None, digest: int | None = None, raises: bool = False
+               ) -> torch.Tensor:
     """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids,
     int64), ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks
     them); ``fields``: what else every rank must agree on (options, settings, bias, gradient need).
     ``stale``: this rank's shard is not the one the shard check saw (word 2). ``count_bad``: fill
     word 5 (where a failure raises); ``check_inputs``: words 5 and 6 (the opt-in debugging checks);
     ``values``: word 7, :func:`value_checksum` of the loss weights and ``num_items_in_batch`` (None: 0);
-    ``digest``: words 0 and 1 in place of :func:`plan_digest`'s (a stand-in sends its own call's, ``agree.py``).
+    ``digest``: words 0 and 1 in place of :func:`plan_digest`'s (a stand-in sends its own call's, ``agree.py``),
+    ``raises``: a stand-in whose own call would raise on a failed guard (bit 2 of word 2).
     No host sync in steady state, and none for a new token count: word 3 is a device fill (a kernel
     argument, not a copy)."""
     sig = plan_digest(x, vocab_size, fields) if digest is None else digest
     n, dev = x.shape[0], x.device
-    parts = [_head_words(sig, bool(stale), dev),
+    parts = [_head_words(sig, int(bool(stale)) | (2 if raises else 0), dev),
              torch.full((1,), ((n % 32768) << 16) + rows % 65536, dtype=torch.int32, device=dev)]
     if n:
         # int64 products and sums wrap identically on every rank (modular arithmetic is order-free)
@@ -175,10 +178,11 @@ def verdict(guards: torch.Tensor) -> torch.Tensor:
 
 
 def settle_stand_in(guards: torch.Tensor, predicted: int) -> None:
-    """A stand-in's reading of the gathered ``guards`` (a host sync; ``agree.py``): every rank stood in
-    (no rank sent ``predicted``, the plan every rank expected) for the same call: :class:`agree.Replan`;
-    every rank stood in, for different calls: the same ``ValueError`` on every rank (each read them). Else
-    some ranks ran the predicted call: nothing here (the guard fails on every rank)."""
+    """A stand-in's reading of the gathered ``guards`` (a host sync; ``agree.py``). Where every rank stood in
+    (no rank sent ``predicted``, the plan every rank expected): for the same call, :class:`agree.Replan`; for
+    different calls, the same ``ValueError`` on every rank if one of their own calls raises on a failed guard
+    (CPU tensors, ``check_finite``: bit 2 of word 2), as each rank read the guards. Else nothing here: the guard
+    fails on every rank, and each rank, stand-ins included, raises or poisons as the predicted plan does."""
     from .agree import Replan
 
     g = guards.cpu()
@@ -188,7 +192,8 @@ def settle_stand_in(guards: torch.Tensor, predicted: int) -> None:
         return
     if bool((head == head[0]).all()):
         raise Replan()
-    raise_if_failed(g)
+    if bool((g[:, STALE] & 2).any()):
+        raise_if_failed(g)
 
 
 def raise_if_failed(guards: torch.Tensor) -> None:
@@ -203,7 +208,7 @@ def raise_if_failed(guards: torch.Tensor) -> None:
     if differs and differs[0] in (0, 1):
         raise ValueError(f"ranks {_ranks(g, differs[0])} of the group differ from rank 0 in {_FIELDS[differs[0]]}: "
                          + same_call)
-    stale = g[:, STALE].tolist()
+    stale = (g[:, STALE] & 1).tolist()
     if any(stale):
         raise ValueError(f"ranks {[r for r, s in enumerate(stale) if s]} pass another vocabulary shard (rows or "
                          "vocab_start) than the one checked for this group and stated layout (the shard check runs "

@@ -74,6 +74,20 @@ def _plan(fields: tuple, device: torch.device, options: LossOptions, settings: S
     return _Plan(fields, device, FLCEParams(start, vocab, options, settings))
 
 
+class _NaNGradient(torch.autograd.Function):
+    """0 (a float32 scalar) whose gradient is NaN for each input: a stand-in's inputs get the gradients its peers'
+    failed guard gives theirs, without changing its outputs' values."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.like = [(u.shape, u.dtype, u.device) for u in inputs]
+        return torch.zeros((), device=inputs[0].device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.full(shape, float("nan"), dtype=dtype, device=dev) for shape, dtype, dev in ctx.like)
+
+
 def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target: torch.Tensor,
               options: LossOptions, dt, inputs: tuple) -> object:
     """Run ``plan`` (the call every rank expected) in place of this rank's call, whose plan has ``digest``
@@ -87,6 +101,7 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
     runs, with the same gradients present, where its peers' runs), and the ``inputs`` that need a gradient
     get NaN ones (as on its peers, whose guard failed)."""
     h, dtype, has_bias, need_dx, need_dw, num_items, _, _, lw_dtype, _ = plan.fields
+
     raises = core.can_raise(target, options)  # this call's own guard path: CPU tensors or check_finite
     dev = plan.device
     with torch.enable_grad() if need_dx or need_dw else torch.no_grad():
@@ -96,25 +111,36 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
         lw = None if lw_dtype is None else torch.ones(n, dtype=getattr(torch, lw_dtype.split(".")[-1]), device=dev)
         items = torch.ones((), device=dev) if num_items else None
         p = dataclasses.replace(plan.params, stand_in=(digest, raises))
-        loss, _, _, ent = _eager(x, w, b, torch.zeros(n, dtype=torch.int64, device=dev), items, p, group, lw)
-    tokens = target.reshape(-1)
-    nan = torch.full(tokens.shape, float("nan"), device=tokens.device)
-    per_token = torch.where(tokens == options.ignore_index, 0.0, nan)
-    mine = [u.sum() * float("nan") for u in inputs if u is not None and u.requires_grad and torch.is_grad_enabled()]
+        # this call's targets where the plan takes as many (under sequence parallelism they are gathered: the
+        # stand-in's outputs are NaN where its peers' are, 0 where no token of theirs counts)
+        t = target.reshape(-1).to(torch.int64)
+        t = t if t.numel() == n and t.device == dev else torch.zeros(n, dtype=torch.int64, device=dev)
+        loss, _, _, ent = _eager(x, w, b, t, items, p, group, lw)
+    nan = torch.full(target.shape, float("nan"), device=target.device)
+    if plan.params.reduction == "none" and loss.numel() == target.numel():  # the plan's per-token values
+        per_token = loss.detach().reshape(target.shape).to(nan.device)
+    else:
+        per_token = torch.where(target == options.ignore_index, 0.0, nan)
+    # a scalar is NaN where any token counts (the peers' poisoned mean or sum), else 0 (no token: their loss is 0)
+    scalar = torch.where(loss.detach().isnan().any(), float("nan"), 0.0).to(nan.device)
+    mine = [u for u in inputs if u is not None and u.requires_grad and torch.is_grad_enabled()]
+    mine = [_NaNGradient.apply(*mine)] if mine else []
 
-    def linked(value: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        if not (into.requires_grad or mine):
+    def linked(value: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        into = into if into is not None and into.requires_grad else None
+        if into is None and not mine:
             return value
         with torch.enable_grad():  # also under no_grad here when the plan forms gradients (its backward must run)
-            parts = ([into.float().sum() * 0.0] if into.requires_grad else []) + mine
+            # 0 x the stand-in's output (NaN where its guard failed: not in the value), and NaN x this call's inputs
+            parts = ([torch.nan_to_num(into.float() * 0.0).sum()] if into is not None else []) + mine
             return value + sum(parts).to(value.device)
 
-    out = linked(per_token if options.reduction == "none" else nan.new_full((), float("nan")), loss)
-    out = out.reshape(target.shape) if options.reduction == "none" else out
-    extras = (([nan.reshape(target.shape)] if options.return_lse else [])
-              + ([torch.zeros(target.shape, dtype=torch.bool, device=tokens.device)]
+    ent = ent if plan.params.return_entropy else None  # (the plan's entropy output, if it has one)
+    out = linked(per_token if options.reduction == "none" else scalar, loss)
+    extras = (([nan] if options.return_lse else [])
+              + ([torch.zeros(target.shape, dtype=torch.bool, device=target.device)]
                  if options.return_token_accuracy else [])
-              + ([linked(per_token, ent).reshape(target.shape)] if options.return_entropy else []))
+              + ([linked(per_token, ent)] if options.return_entropy else []))
     if dt is not None:
         out = dt.wrap_tokens(out) if options.reduction == "none" else out
         extras = [dt.wrap_tokens(e) for e in extras]
@@ -495,11 +521,15 @@ def fused_linear_cross_entropy(
         else:
             if stand_in is not None:  # this call is not the plan every rank expects: run that plan in its place
                 try:
-                    return _stand_in(stand_in, agreed[7], x.shape[0], group, target, options, dt,
-                                     (hidden, weight, bias))
+                    # the same global token count under the plan's sequence parallelism (N = P n with it)
+                    n = x.shape[0] * (tp if options.sequence_parallel and tp > 1 else 1)
+                    n //= tp if stand_in.params.sequence_parallel else 1
+                    return _stand_in(stand_in, agreed[7], n, group, target, options, dt, (hidden, weight, bias))
                 except Replan:  # every rank changed to this call's plan: agree on it, then run the call
                     start, vocab, stale = _agree_new(*agreed)
             params = _params(start, vocab, options, settings, stale, okey if options is given else None)
+            if not grad_on:  # the Function sees requires_grad, not grad mode: it forms (and the guard compares)
+                x, weight, bias = x.detach(), weight.detach(), None if bias is None else bias.detach()  # none
             loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
                                              params, group, loss_weights)
     if options.reduction == "none":

@@ -69,13 +69,14 @@ def _worker(rank: int, world: int, store: str, inbox, outbox, gloo_timeout_s: fl
         except Exception as exc:  # noqa: BLE001  (the harness compares the ranks' exceptions)
             out = Outcome(error=type(exc).__name__, message=f"{exc}\n{traceback.format_exc()[-3000:]}")
         count += 1
+        outbox.put(("out", rank, out))  # before the check below: an abort there keeps what this rank did
         try:  # every rank must leave the example after the same collectives
             seen = torch.empty(world, dtype=torch.int64)
             dist.all_gather_into_tensor(seen, torch.tensor([count]), group=group)
             aligned = bool((seen == count).all())
         except Exception:  # noqa: BLE001
             aligned = False
-        outbox.put((rank, out, aligned))
+        outbox.put(("aligned", rank, aligned))
     dist.destroy_process_group()
     os._exit(0)
 
@@ -122,23 +123,24 @@ class RankPool:
         deadline = time.monotonic() + (deadline_s or 4 * self.gloo_timeout_s + 120)
         for box in self.inboxes:
             box.put((fn, payload))
-        got: dict[int, tuple] = {}
-        while len(got) < self.world:
+        got: dict[int, Outcome] = {}
+        aligned: dict[int, bool] = {}
+        while len(aligned) < self.world:
             try:
-                rank, out, aligned = self.outbox.get(timeout=0.5)
-                got[rank] = (out, aligned)
+                what, rank, value = self.outbox.get(timeout=0.5)
+                (got if what == "out" else aligned)[rank] = value
                 continue
             except queue.Empty:
                 pass
-            dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in got]
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in aligned]
             if dead or time.monotonic() > deadline:
                 why = "abort" if dead else "hang"
                 detail = (f"ranks {dead} died (exit codes {[self.procs[r].exitcode for r in dead]})" if dead
-                          else f"no answer from ranks {sorted(set(range(self.world)) - set(got))} in time")
+                          else f"no answer from ranks {sorted(set(range(self.world)) - set(aligned))} in time")
                 self.close()
-                return Broken(why, detail, {r: o for r, (o, _) in got.items()})
-        outs = [got[r][0] for r in range(self.world)]
-        if not all(got[r][1] for r in range(self.world)):
+                return Broken(why, detail, got)
+        outs = [got[r] for r in range(self.world)]
+        if not all(aligned.values()):
             self.close()
             return Broken("misaligned", "the ranks left the example after different collectives",
                           dict(enumerate(outs)))

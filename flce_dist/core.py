@@ -792,6 +792,9 @@ def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl
     else:
         g = row_weights(valid, p, num_items, acc, loss_weights=loss_weights) * grad_loss.to(acc)
     mu = gh = None
+    if sp and ent is not None and grad_ent is None:  # the gather below is issued whether or not this rank's
+        # objective uses the entropy (a collective must not depend on it: a peer's may; distributed/agree.py)
+        all_gather_rows(torch.zeros(x.shape[0] // group_size(group), dtype=g.dtype, device=x.device), group)
     if grad_ent is not None:
         gh = grad_ent.reshape(-1).to(g.dtype)
         gh = all_gather_rows(gh.contiguous(), group) if sp else gh

@@ -256,6 +256,57 @@ class _FakeTritonKernel:
         self.params, self.pre_run_hooks = [_FakeParam(i in constexpr) for i in range(nparams)], []
 
 
+def _stand_in_knobs(monkeypatch, fast_launch):
+    """Triton's knobs (``knobs.runtime``, ``knobs.compilation``) as plain namespaces (no Triton on the CPU)."""
+    import types
+
+    rt = types.SimpleNamespace(debug=False, add_stages_inspection_hook=None, launch_enter_hook=None,
+                               launch_exit_hook=None)
+    comp = types.SimpleNamespace(instrumentation_mode="")
+    monkeypatch.setattr(fast_launch, "_runtime_knobs", lambda: rt)
+    monkeypatch.setattr(fast_launch, "_compilation_knobs", lambda: comp, raising=False)
+    return rt, comp
+
+
+def test_fast_launch_falls_back_when_tritons_knobs_change(monkeypatch):
+    """Issue 61, finding 6: Triton's own launcher keys its kernels on per-call knobs (``knobs.runtime.debug``,
+    ``knobs.compilation.instrumentation_mode``, a stages inspection hook), the direct launch did not: after one
+    changes, every launch takes Triton's path (which compiles the debug or instrumented binary); once they are
+    back to their values at the first launch, repeats go straight to the cached kernel again."""
+    from flce_dist.kernels import fast_launch
+
+    slow: list = []
+
+    def default(kern, grid, *args, num_warps, num_stages, **kw):
+        slow.append(grid)
+        return _FakeCompiled(len(slow))
+
+    monkeypatch.setattr(fast_launch, "_default_launcher", lambda: default)
+    monkeypatch.setattr(fast_launch, "_hooks_active", lambda: False)
+    rt, comp = _stand_in_knobs(monkeypatch, fast_launch)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
+    monkeypatch.setattr(fast_launch, "_COMPILED", {})
+    k = _FakeTritonKernel(3)
+    a = torch.zeros(16)
+    go = lambda: fast_launch.launcher(k, (2,), a, 4096, 1.5, num_warps=4, num_stages=2)  # noqa: E731
+    first = go()
+    go()
+    assert len(slow) == 1 and len(first.runs) == 1  # the repeat took the direct path
+    for knob, value in ((rt, ("debug", True)), (comp, ("instrumentation_mode", "fpsan")),
+                        (rt, ("add_stages_inspection_hook", lambda: ("k", "h")))):
+        before = getattr(knob, value[0])
+        setattr(knob, *value)
+        n = len(slow)
+        go()
+        go()
+        assert len(slow) == n + 2, value  # every launch: Triton's launcher (never the first binary)
+        setattr(knob, value[0], before)
+        runs = len(first.runs)
+        go()
+        assert len(slow) == n + 2 and len(first.runs) == runs + 1, value  # back: the direct path again
+
+
 def test_fast_launch_key_and_fallbacks(monkeypatch):
     """``kernels/fast_launch.launcher`` without a GPU (Triton and CUDA stood in for): a repeat launch with the
     same specialisation goes straight to the compiled kernel with Triton's positional layout; a pointer that is
@@ -272,6 +323,7 @@ def test_fast_launch_key_and_fallbacks(monkeypatch):
 
     monkeypatch.setattr(fast_launch, "_default_launcher", lambda: default)
     monkeypatch.setattr(fast_launch, "_hooks_active", lambda: False)
+    _stand_in_knobs(monkeypatch, fast_launch)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
     monkeypatch.setattr(fast_launch, "_COMPILED", {})

@@ -20,7 +20,9 @@ Falls back to Helion's default launcher (every call) where the direct call's ass
 hold: extra launcher keywords (remote copies, PTX options, cooperative grids), an argument of another
 type (a tensor subclass, a descriptor), a kernel with pre-run hooks, fewer positional arguments than
 the kernel's parameters (defaults), and while any Triton launch hook is registered (profilers such as
-proton read the launch metadata this path does not build). The layout of ``CompiledKernel.run``'s
+proton read the launch metadata this path does not build), and while Triton's per-call knobs (``knobs.runtime.debug``,
+``knobs.compilation.instrumentation_mode``, a stages inspection hook: Triton's launcher keys its kernels on them)
+differ from those at the first launch of that specialisation (issue 61). The layout of ``CompiledKernel.run``'s
 arguments is the one triton 3.6 through 3.9 use (``fast_path_supported``); another triton takes the
 default launcher.
 
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-_COMPILED: dict[tuple[Any, ...], Any] = {}
+_COMPILED: dict[tuple[Any, ...], tuple[Any, tuple[Any, ...]]] = {}  # key -> (CompiledKernel, Triton's knobs then)
 _CONSTEXPR: dict[Any, tuple[bool, ...]] = {}  # per Triton kernel (one per bound kernel and config: bounded with them)
 _MAX = 1024
 
@@ -64,6 +66,22 @@ def _runtime_knobs() -> Any:
     from triton import knobs
 
     return knobs.runtime
+
+
+@functools.cache
+def _compilation_knobs() -> Any:
+    from triton import knobs
+
+    return knobs.compilation
+
+
+def _knob_state() -> tuple[Any, ...]:
+    """Triton's per-call knobs that its own launcher (``JITFunction.run``, triton 3.6 - 3.9) folds into its kernel
+    key: ``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode`` and a stages inspection hook
+    (``knobs.runtime.add_stages_inspection_hook``). Read per launch (environment variables or set values)."""
+    rt = _runtime_knobs()
+    return (rt.debug, getattr(_compilation_knobs(), "instrumentation_mode", None),
+            getattr(rt, "add_stages_inspection_hook", None))
 
 
 def _hooks_active() -> bool:
@@ -118,14 +136,15 @@ def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: i
         return _default_launcher()(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages, **kwargs)
     dev = torch.cuda.current_device()
     key = (triton_kernel, len(grid), dev, num_warps, num_stages, spec)  # the grid is a launch argument
-    k = _COMPILED.get(key)
-    if k is None:
+    got, knobs = _COMPILED.get(key), _knob_state()
+    if got is None or got[1] != knobs:  # new, or Triton's knobs changed since: Triton's own launcher (its binary)
         k = _default_launcher()(triton_kernel, grid, *args, num_warps=num_warps, num_stages=num_stages)
-        if hasattr(k, "packed_metadata"):
+        if got is None and hasattr(k, "packed_metadata"):
             if len(_COMPILED) >= _MAX:
                 _COMPILED.clear()
-            _COMPILED[key] = k
+            _COMPILED[key] = (k, knobs)
         return k
+    k = got[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     k.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(dev), k.function, k.packed_metadata, None, None, None,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import core
+from .aligned import aligned
 from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import resolve_call, resolve_shard
@@ -530,8 +531,9 @@ def fused_linear_cross_entropy(
             params = _params(start, vocab, options, settings, stale, okey if options is given else None)
             if not grad_on:  # the Function sees requires_grad, not grad mode: it forms (and the guard compares)
                 x, weight, bias = x.detach(), weight.detach(), None if bias is None else bias.detach()  # none
-            loss, lse, correct, ent = _eager(x.contiguous(), weight.contiguous(), bias, t.contiguous(), num_items,
-                                             params, group, loss_weights)
+            # contiguous, and on CUDA 16-byte aligned: a view at an odd offset into a flat buffer is copied (aligned.py)
+            loss, lse, correct, ent = _eager(aligned(x), aligned(weight), aligned(bias), aligned(t), num_items, params,
+                                             group, loss_weights)
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .aligned import aligned
 from .autograd import refuse_double_backward
 from .core import flce_forward, local_targets, recompute_grads, scale_precomputed, uses_fused
 from .formulas import acc_dtype
@@ -54,6 +55,7 @@ def fused_lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Te
               params: str, need_dx: bool, need_dw: bool, group_name: str
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
+    hidden, weight, bias, target = aligned(hidden), aligned(weight), aligned(bias), aligned(target)  # aligned.py
     loss, lse, correct, ent, pre, _ = flce_forward(hidden, weight, bias, target, num_items, p, _group(group_name),
                                                    need_dx or need_dw, need_dx, need_dw)
     dx, dw, db = pre if pre is not None else (None, None, None)
@@ -86,6 +88,7 @@ def fused_lce_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], t
                        grad_ent: Optional[Tensor], params: str, need_dx: bool, need_dw: bool,
                        group_name: str) -> tuple[Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
+    hidden, weight, bias, target = aligned(hidden), aligned(weight), aligned(bias), aligned(target)  # aligned.py
     tl = local_targets(target, p, weight.shape[0])
     dx, dw, db = recompute_grads(hidden, weight, bias, tl, lse, target != p.ignore_index, num_items, grad_loss, p,
                                  _group(group_name), ent, grad_ent, need_dx, need_dw)

@@ -661,3 +661,69 @@ def test_megatron_head_cuda_graph():
     with tempfile.TemporaryDirectory() as tmp:
         res = run_ranks(_cuda_graph_worker, 1, tmp, timeout=300)
     _check_ranks(res, lambda r: 16)  # every check ran
+
+
+def _misaligned_inputs(dtype_name: str) -> None:
+    """Issue 61, finding 5 (run in a subprocess by the test below: before the fix, a misaligned launch poisoned
+    the process's CUDA context). Calls of one shape with aligned inputs bind the kernels (a tensor-descriptor
+    config where the shipped one takes it); then hidden, weight, bias and target, each alone and all together, as
+    views at an odd element offset into flat buffers (FSDP / DeepSpeed / Megatron make such views): every loss and
+    gradient equals the aligned call's bit for bit, for the fused and recompute strategies and the RL head, and
+    CUDA stays usable. Prints ``MISALIGNED_OK``."""
+    import flce_dist as fd
+
+    dtype = getattr(torch, dtype_name)
+    n, h, v = 1024, 4096, 32000
+    x, w, t = _case(1, n, h, v, dtype, seed=61)
+    x, t = x[0], t[0]
+    b = (torch.randn(v, device="cuda") * 0.1).to(dtype)
+
+    def odd(u: torch.Tensor) -> torch.Tensor:
+        """``u``'s values in a view one element past a 16-byte aligned flat buffer's start (misaligned for any dtype
+        of 2, 4 or 8 bytes)."""
+        flat = torch.empty(u.numel() + 16, dtype=u.dtype, device=u.device)
+        view = flat[1:1 + u.numel()].view(u.shape)
+        view.copy_(u)
+        assert view.data_ptr() % 16 != 0 and view.is_contiguous()
+        return view
+
+    def run(xx, ww, bb, tt, how):
+        xs, ws, bs = xx.detach().requires_grad_(), ww.detach().requires_grad_(), bb.detach().requires_grad_()
+        if how == "rl":
+            lp, ent = fd.logprobs_and_entropy(xs, ws, tt, bias=bs, temperature=0.7)
+            out, outs = lp.sum() + 0.01 * ent.sum(), (lp, ent)
+        else:
+            out = fd.fused_linear_cross_entropy(xs, ws, tt, bias=bs, strategy=how)
+            outs = (out,)
+        out.backward()
+        return [o.detach().clone() for o in outs] + [xs.grad.clone(), ws.grad.clone(), bs.grad.clone()]
+
+    for how in ("fused", "recompute", "rl"):
+        want = run(x, w, b, t, how)
+        run(x, w, b, t, how)  # a repeat: the bound kernels (and the fast launcher's cache) are warm
+        for which in ("hidden", "weight", "bias", "target", "all"):
+            args = [odd(u) if which in (name, "all") else u
+                    for name, u in zip(("hidden", "weight", "bias", "target"), (x, w, b, t))]
+            got = run(*args, how)
+            torch.cuda.synchronize()  # a misaligned launch raised here (and poisoned the context)
+            for a, c in zip(want, got):
+                assert torch.equal(a, c), (how, which)
+    torch.zeros(1, device="cuda").add_(1)
+    torch.cuda.synchronize()
+    print("MISALIGNED_OK", flush=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_misaligned_inputs_are_copied_not_a_cuda_error(dtype):
+    """Issue 61, finding 5: a bf16 hidden that is an odd-offset view of a flat buffer, after aligned calls of the same
+    shape, raised ``CUDA error: misaligned address`` on an H200 and poisoned the CUDA context. Now every input whose
+    base pointer is not 16-byte aligned is copied (``flce_dist/aligned.py``). In a subprocess: a failure there would
+    poison this process's CUDA context for every later test."""
+    import subprocess
+    import sys
+
+    from ._checks import ROOT
+
+    code = f"import tests.test_gpu as t; t._misaligned_inputs({dtype!r})"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and "MISALIGNED_OK" in res.stdout, (res.stdout + res.stderr)[-6000:]

@@ -351,3 +351,49 @@ def test_zero_hidden_size_is_refused():
         flce_dist.fused_linear_cross_entropy(x, torch.randn(7, 0), torch.randint(0, 7, (4,)))
     with pytest.raises(ValueError, match="H=0"):
         flce_dist.fused_linear_cross_entropy(x, w, torch.zeros(4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("strategy", ["fused", "recompute"])
+def test_misaligned_views_are_copied(small_tiles, strategy, monkeypatch):
+    """Issue 61, finding 5, on the CPU: ``flce_dist/aligned.py`` copies an input whose base pointer is not 16-byte
+    aligned (a view at an odd offset into a flat buffer) where the kernels may build tensor descriptors (CUDA; here
+    the CPU stands in): the kernels see aligned tensors only, the results equal the aligned call's, and the
+    gradients reach the views. (On the GPU, where such a view killed the CUDA context: tests/test_gpu.py,
+    ``test_misaligned_inputs_are_copied_not_a_cuda_error``.)"""
+    from flce_dist import aligned
+    from flce_dist.kernels import launch
+
+    monkeypatch.setattr(aligned, "DEVICE_TYPES", ("cuda", "cpu"))
+    seen = []
+    real = launch._launch
+
+    def spy(name, args, *a, **k):
+        seen.extend(u.data_ptr() % 16 for u in args if isinstance(u, torch.Tensor) and u.numel())
+        return real(name, args, *a, **k)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 21, 24, 53
+    x, w, b = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.3, torch.randn(v, generator=g)
+    t = torch.randint(0, v, (n,), generator=g)
+
+    def odd(u):
+        flat = torch.zeros(u.numel() + 8, dtype=u.dtype)
+        view = flat[1:1 + u.numel()].view(u.shape)
+        view.copy_(u)
+        assert view.data_ptr() % 16
+        return view
+
+    def run(xx, ww, bb, tt):
+        xs, ws, bs = xx.detach().requires_grad_(), ww.detach().requires_grad_(), bb.detach().requires_grad_()
+        loss = flce_dist.fused_linear_cross_entropy(xs, ws, tt, bias=bs, strategy=strategy)
+        loss.backward()
+        return loss.detach(), xs.grad, ws.grad, bs.grad
+
+    want = run(x, w, b, t)
+    seen.clear()
+    got = run(odd(x), odd(w), odd(b), odd(t))
+    assert seen and not any(seen), "a kernel saw a misaligned tensor"
+    for a, c in zip(want, got):
+        assert torch.equal(a, c)
+    assert aligned.aligned(x) is x  # an aligned contiguous input: no copy

@@ -131,13 +131,17 @@ def weighted_denominator(tw: torch.Tensor, num_items: torch.Tensor | None, dtype
 
 
 def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
-                denom: torch.Tensor | None = None) -> torch.Tensor:
+                denom: torch.Tensor | None = None, poison: torch.Tensor | None = None) -> torch.Tensor:
+    """The reduced loss; ``poison`` (0-d, the guard's 0 or NaN: :class:`_Guard`): added to a scalar loss, so that
+    a failed guard makes it NaN also on a rank none of whose tokens counts (its per-token losses are 0, whatever
+    the lse). The mean adds it in its division's kernel (``addcdiv``), the sum in one more."""
     if p.reduction == "none":
         return loss
     total = loss.sum()
     if p.reduction == "sum":
-        return total
-    return total / (denom if denom is not None else mean_denominator(valid, num_items, torch.float32))
+        return total if poison is None else total + poison
+    denom = denom if denom is not None else mean_denominator(valid, num_items, torch.float32)
+    return total / denom if poison is None else torch.addcdiv(poison.to(total.dtype), total, denom)
 
 
 def uses_fused(needs_grad: bool, reduction: str, strategy: str, entropy: bool = False, weighted: bool = False) -> bool:
@@ -689,7 +693,7 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if p.reduction == "none":
         loss = loss_rows[rank_slice].to(acc_dtype(hidden.dtype))
     else:
-        loss = reduce_loss(loss_rows if tw is None else loss_rows * tw, valid, p, num_items, denom)
+        loss = reduce_loss(loss_rows if tw is None else loss_rows * tw, valid, p, num_items, denom, guard.ok)
     # the returned lse: not the tensor the backward saves (none where the caller drops it: ``copy_lse`` False)
     lse = lse_all[rank_slice].clone() if copy_lse or sp else lse_all
     correct = correct_all[rank_slice]

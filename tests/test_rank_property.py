@@ -143,6 +143,26 @@ def _shard(v: int, rank: int, world: int, split: str) -> tuple[int, int]:
     return vocab_shard(v, rank, world, split=split)
 
 
+def rank_shard(base: dict, change: dict | None, rank: int) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` rank ``rank`` passes (its change applied where it is the odd rank)."""
+    mine = change if change is not None and change["odd"] == rank else {"kind": "none"}
+    split = base["split"]
+    if mine["kind"] == "shard" and mine["how"] == "other_split":
+        split = "chunk" if split == "balanced" else "balanced"
+    lo, hi = _shard(base["v"], rank, base["world"], split)
+    return (lo, lo) if mine["kind"] == "shard" and mine["how"] == "empty" else (lo, hi)
+
+
+def vocabulary(base: dict, change: dict) -> int:
+    """The call's vocabulary size: the base's, or, where the layout is stated by ``vocab_start`` alone and the last
+    rank passes an empty shard, the rows before it (a valid layout of a smaller vocabulary: every rank agrees)."""
+    world = base["world"]
+    if (base["layout"] == "start" and change["kind"] == "shard" and change["how"] == "empty"
+            and change["odd"] == world - 1):
+        return rank_shard(base, change, world - 1)[0]
+    return base["v"]
+
+
 # ---------------------------------------------------------------------------------------------- a rank
 
 @contextlib.contextmanager
@@ -181,12 +201,7 @@ def _call(rank: int, world: int, group, base: dict, change: dict | None, poison:
         rows = slice(rank * per, (rank + 1) * per + extra)
     else:  # all the call's tokens (P n of them where the others slice them)
         rows = slice(0, n_in * (world if base["opts"]["sequence_parallel"] else 1) + extra)
-    split = base["split"]
-    if kind == "shard" and mine["how"] == "other_split":
-        split = "chunk" if split == "balanced" else "balanced"
-    lo, hi = _shard(base["v"], rank, world, split)
-    if kind == "shard" and mine["how"] == "empty":
-        hi = lo
+    lo, hi = rank_shard(base, change, rank)
     grad = dict(base["grad"])
     if kind == "requires_grad":
         grad[mine["which"]] = not grad[mine["which"]]
@@ -263,11 +278,11 @@ def reference(base: dict, change: dict) -> dict:
     from flce_dist.reference import reference_logits
 
     pr, o = problem(base), base["opts"]
-    n, h = pr["n"], base["h"]
+    n, h, v = pr["n"], base["h"], vocabulary(base, change)
     cast = DTYPES[base["dtype"]]
     x = pr["x"][:n, :h].to(cast).double().requires_grad_()
-    w = pr["w"][:, :h].to(cast).double().requires_grad_()
-    b = pr["b"].to(cast).double().requires_grad_() if base["bias"] else None
+    w = pr["w"][:v, :h].to(cast).double().requires_grad_()
+    b = pr["b"][:v].to(cast).double().requires_grad_() if base["bias"] else None
     t = pr["t"][:n].clone()
     lw = pr["lw"][:n].float().double() if base["lw"] else None
     if o["sequence_parallel"]:
@@ -277,6 +292,8 @@ def reference(base: dict, change: dict) -> dict:
         if change["kind"] == "lw" and change["how"] == "values" and lw is not None:
             rows = slice(first, first + base["n_in"])
             lw[rows] = pr["other_lw"][:n][rows].float().double()
+    outside = bool(((t != o["ignore_index"]) & ((t < 0) | (t >= v))).any())  # a target outside [0, V)
+    t = torch.where((t >= 0) & (t < v), t, o["ignore_index"]) if outside else t
     loss = reference_loss(x, w, t, bias=b, ignore_index=o["ignore_index"], reduction=o["reduction"],
                           num_items_in_batch=base["num_items"], label_smoothing=o["label_smoothing"],
                           z_loss=o["z_loss"], softcap=o["softcap"], temperature=o["temperature"], loss_weights=lw)
@@ -288,7 +305,7 @@ def reference(base: dict, change: dict) -> dict:
         obj = obj + 0.3 * ent.sum()
     obj.backward()
     return dict(loss=loss.detach(), ent=ent.detach(), dx=x.grad, dw=w.grad, db=None if b is None else b.grad,
-                valid=t != o["ignore_index"])
+                valid=t != o["ignore_index"], outside=outside)
 
 
 def _rel(got: list, want: torch.Tensor) -> float:
@@ -327,6 +344,7 @@ def check(base: dict, change: dict, poison: bool, outs) -> None:
             assert bool(torch.isnan(loss[keep]).all()) or not bool(keep.any()), \
                 f"rank {r}: a finite value beside NaN ({loss.tolist()})\n{where}"
         return
+    assert not ref["outside"], f"a finite result with a target outside [0, V)\n{where}"
     lt, gt = TOL[base["dtype"]]
     sp = o["sequence_parallel"]
 
@@ -343,7 +361,7 @@ def check(base: dict, change: dict, poison: bool, outs) -> None:
         assert _rel(v["loss"], want) <= lt, f"rank {r}: loss {v['loss'][:4]} vs {want.flatten()[:4].tolist()}\n{where}"
         if v["ent"] is not None and o["return_entropy"]:
             assert _rel(v["ent"], ref["ent"][rows]) <= lt, f"rank {r}: entropy\n{where}"
-        lo, hi = _shard(base["v"], r, world, base["split"])
+        lo, hi = rank_shard(base, change, r)
         if v["dw"] is not None and not poisoned(v["dw"]):
             assert _rel(v["dw"], ref["dw"][lo:hi]) <= gt, f"rank {r}: dW shard\n{where}"
         if v["db"] is not None and not poisoned(v["db"]):

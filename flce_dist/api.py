@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import numbers
 from typing import Callable, NamedTuple
@@ -68,11 +67,6 @@ def _effective(options: LossOptions, tp: int) -> LossOptions:
     if not torch.is_grad_enabled():
         options = options.replace(strategy="recompute")
     return options.replace(sequence_parallel=options.sequence_parallel and tp > 1)
-
-
-def _plan(fields: tuple, device: torch.device, options: LossOptions, settings: Settings, start: int,
-          vocab: int) -> _Plan:
-    return _Plan(fields, device, FLCEParams(start, vocab, options, settings))
 
 
 class _NaNGradient(torch.autograd.Function):
@@ -500,9 +494,10 @@ def fused_linear_cross_entropy(
                                                            fields, vocab_size)
         else:  # predicted from the group's agreed calls, or agreed now, or stood in for (agree.py)
             group_name, tp = group.group_name, dist.get_world_size(group)
-            agreed = (group, weight, vocab_start, hidden.device, x.shape[0], fields, vocab_size,
-                      call_digest(*fields, vocab_size, vocab_start is None),
-                      functools.partial(_plan, fields, hidden.device, _effective(options, tp), settings))
+            dev = hidden.device
+            agreed = (group, weight, vocab_start, dev, x.shape[0], fields, vocab_size,
+                      call_digest(*fields, vocab_size, vocab_start is None),  # (cached: the fields repeat)
+                      lambda s, v: _Plan(fields, dev, FLCEParams(s, v, _effective(options, tp), settings)))
             start, vocab, stale, stand_in = _agree(*agreed)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank

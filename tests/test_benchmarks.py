@@ -935,8 +935,10 @@ def test_guard_cost_probe_smoke(tmp_path):
     with open(tmp_path / "guard_cost.csv") as f:
         rows = list(csv.DictReader(f))
     guard = [r for r in rows if r["what"] == "guard"]
-    assert len(guard) == 2 * 2 * 2 and len(rows) == len(guard) + 2 * 4  # 2 N x 2 P x 2 settings; calls
+    assert len(guard) == 2 * 2 * 3 and len(rows) == len(guard) + 2 * 4  # 2 N x 2 P x 3 settings; calls
     by = {(r["N"], r["P"], r["setting"].split()[0]): int(r["ops"]) for r in guard}
     for (n, p, setting), ops in by.items():
         if setting == "after":
             assert 0 < ops < by[(n, p, "before")], by
+        if setting == "default":  # issue 61's word 7 (loss_weights, num_items_in_batch): only where they are given
+            assert ops > by[(n, p, "after")], by

@@ -41,7 +41,8 @@ from flce_dist import core  # noqa: E402
 from flce_dist.distributed.collectives import merge_stats, pack_stats  # noqa: E402
 from flce_dist.options import FLCEParams, LossOptions  # noqa: E402
 
-SETTINGS = {"before (check_inputs=True)": True, "after (default)": False}
+SETTINGS = {"before (check_inputs=True)": True, "after (default)": False,
+            "default + weights, count": "values"}  # issue 61: word 7 (loss_weights and num_items_in_batch)
 
 
 class _OpCount(torch.utils._python_dispatch.TorchDispatchMode):
@@ -89,11 +90,23 @@ def host_us(fn, dev: torch.device, reps: int) -> float:
     return statistics.median(ts)
 
 
-def guard_round(x, tgt, bad, local, v: int, p_ranks: int, check_inputs: bool | None):
-    """One call's guard work on this rank, as the core runs it (None: the same without a guard)."""
-    opts = LossOptions(check_inputs=bool(check_inputs))
+class _Values:
+    """What the guard reads of a call's per-token work for word 7 (``core._Tokens``): token weights and a count."""
+
+    def __init__(self, n: int, dev: torch.device) -> None:
+        self.tw, self.num_items = torch.rand(n, device=dev), torch.tensor(1000.0, device=dev)
+
+    def token_weights(self) -> torch.Tensor:
+        return self.tw
+
+
+def guard_round(x, tgt, bad, local, v: int, p_ranks: int, check_inputs: bool | str | None):
+    """One call's guard work on this rank, as the core runs it (None: the same without a guard; ``"values"``: the
+    default with ``loss_weights`` and ``num_items_in_batch`` given, word 7)."""
+    opts = LossOptions(check_inputs=check_inputs is True)
     params = FLCEParams(0, v, opts, flce_dist.settings.current())
-    g = core._Guard(x, tgt, bad, params, None, local.shape[0], False, (True, True, True))
+    values = _Values(x.shape[0], x.device) if check_inputs == "values" else None
+    g = core._Guard(x, tgt, bad, params, None, local.shape[0], False, (True, True, True), values)
 
     def run():
         words = g.words() if check_inputs is not None else None
@@ -133,6 +146,9 @@ def measure_calls(n: int, w: torch.Tensor, group, reps: int) -> list[dict]:
     out = []
     for where, grp in (("TP=1", None), ("1-rank group", group)):
         for name, ci in SETTINGS.items():
+            if ci == "values":
+                continue
+
             def fn(grp=grp, ci=ci):
                 kw = {} if grp is None else {"group": grp, "vocab_size": v}
                 flce_dist.fused_linear_cross_entropy(x, w, t, check_inputs=ci, **kw).backward()

@@ -106,26 +106,23 @@ def _coefficients(n: int, device: torch.device) -> torch.Tensor:
     return buf[:n]
 
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of ``t``'s values as int64 (a value checksum: exact, order-free once multiplied and summed);
-    8-byte values folded into their low 32 bits (the word keeps those)."""
-    b = t.contiguous().view(_BITS[t.element_size()]).to(torch.int64)
-    return b ^ (b >> 32) if t.element_size() == 8 else b
-
-
 def value_checksum(weights: torch.Tensor | None, num_items: torch.Tensor | None) -> torch.Tensor | None:
-    """Word 7: ``sum_n bits(w_n) * c_n + bits(num_items) * c`` (wrapping int64, low 32 bits as int32 ``[1]``), or
-    None where neither is given. ``weights`` [N]: the token weights as the loss uses them (0 on ignored tokens)."""
+    """Word 7 (int32 ``[1]``), or None where neither is given: ``sum_n bits(w_n) * c_n`` (wrapping int64, its low
+    32 bits; ``weights`` [N]: the token weights as the loss uses them, 0 on ignored tokens, float32 or float64)
+    plus the float32 bits of ``num_items_in_batch`` times an odd constant (50 and 50.0 are one count). 3 small
+    kernels for the weights, 2 for the count (float64 weights: 2 more, their bits folded to 32)."""
     total = None
     if weights is not None and weights.numel():
-        total = (_bits(weights) * _coefficients(weights.numel(), weights.device)).sum()
+        if weights.element_size() == 8:
+            b = weights.view(torch.int64)
+            b = b ^ (b >> 32)
+        else:
+            b = weights.float().view(torch.int32)
+        total = (b * _coefficients(weights.numel(), weights.device)).sum().to(torch.int32)
     if num_items is not None:
-        item = _bits(num_items.reshape(1).to(torch.float64))[0] * 0x9E3779B1  # 50 and 50.0: one count
-        total = item if total is None else total + item.to(total.device)
-    return None if total is None else total.to(torch.int32).view(1)
+        item = num_items.reshape(1).to(torch.float32).view(torch.int32) * 0x1E3779B1
+        return item if total is None else item + total.to(item.device)
+    return None if total is None else total.view(1)
 
 
 def plan_digest(x: torch.Tensor, vocab_size: int, fields: tuple) -> int:

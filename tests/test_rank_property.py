@@ -337,7 +337,10 @@ def check(base: dict, change: dict, poison: bool, outs) -> None:
         assert poison, f"NaN on the host-verdict path: {[out.value['loss'][:4] for out in outs]}\n{where}"
         for r, out in enumerate(outs):
             loss = torch.tensor(out.value["loss"], dtype=torch.float64)
-            keep = None if o["reduction"] == "none" else torch.ones_like(loss, dtype=torch.bool)
+            mine = change if change["odd"] == r else {"kind": "none"}
+            per_token = (mine.get("value") if mine["kind"] == "option" and mine["name"] == "reduction"
+                         else o["reduction"]) == "none"  # (this rank's own reduction)
+            keep = None if per_token else torch.ones_like(loss, dtype=torch.bool)
             if keep is None:
                 rows = _rows(base, r, loss.numel())
                 keep = valid[rows] if rows is not None else torch.ones_like(loss, dtype=torch.bool)

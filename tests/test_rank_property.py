@@ -153,6 +153,21 @@ def rank_shard(base: dict, change: dict | None, rank: int) -> tuple[int, int]:
     return (lo, lo) if mine["kind"] == "shard" and mine["how"] == "empty" else (lo, hi)
 
 
+def rank_rows(base: dict, change: dict | None, rank: int) -> slice:
+    """The rows of the problem's tokens rank ``rank`` passes (its change applied where it is the odd rank)."""
+    mine = change if change is not None and change["odd"] == rank else {"kind": "none"}
+    sp = base["opts"]["sequence_parallel"]
+    if mine["kind"] == "option" and mine["name"] == "sequence_parallel":
+        sp = mine["value"]
+    n_in, world, extra = base["n_in"], base["world"], int(mine["kind"] == "n")
+    if sp and base["opts"]["sequence_parallel"]:
+        return slice(rank * n_in, (rank + 1) * n_in + extra)
+    if sp:  # sequence parallelism on this rank alone: its slice of the call's tokens
+        per = n_in // world
+        return slice(rank * per, (rank + 1) * per + extra)
+    return slice(0, n_in * (world if base["opts"]["sequence_parallel"] else 1) + extra)  # all the call's tokens
+
+
 def vocabulary(base: dict, change: dict) -> int:
     """The call's vocabulary size: the base's, or, where the layout is stated by ``vocab_start`` alone and the last
     rank passes an empty shard, the rows before it (a valid layout of a smaller vocabulary: every rank agrees)."""
@@ -192,15 +207,7 @@ def _call(rank: int, world: int, group, base: dict, change: dict | None, poison:
         opts[mine["name"]] = True
     dtype = DTYPES[mine["value"] if kind == "dtype" else base["dtype"]]
     h = base["h"] + (kind == "h")
-    n_in, extra = base["n_in"], int(kind == "n")
-    sp = opts["sequence_parallel"]
-    if sp and base["opts"]["sequence_parallel"]:
-        rows = slice(rank * n_in, (rank + 1) * n_in + extra)
-    elif sp:  # sequence parallelism on this rank alone: its slice of the call's tokens
-        per = n_in // world
-        rows = slice(rank * per, (rank + 1) * per + extra)
-    else:  # all the call's tokens (P n of them where the others slice them)
-        rows = slice(0, n_in * (world if base["opts"]["sequence_parallel"] else 1) + extra)
+    rows = rank_rows(base, change, rank)
     lo, hi = rank_shard(base, change, rank)
     grad = dict(base["grad"])
     if kind == "requires_grad":
@@ -342,24 +349,22 @@ def check(base: dict, change: dict, poison: bool, outs) -> None:
                          else o["reduction"]) == "none"  # (this rank's own reduction)
             keep = None if per_token else torch.ones_like(loss, dtype=torch.bool)
             if keep is None:
-                rows = _rows(base, r, loss.numel())
-                keep = valid[rows] if rows is not None else torch.ones_like(loss, dtype=torch.bool)
+                rows = rank_rows(base, change, r)
+                keep = valid[rows] if valid[rows].numel() == loss.numel() else torch.ones_like(loss, dtype=torch.bool)
             assert bool(torch.isnan(loss[keep]).all()) or not bool(keep.any()), \
                 f"rank {r}: a finite value beside NaN ({loss.tolist()})\n{where}"
         return
     assert not ref["outside"], f"a finite result with a target outside [0, V)\n{where}"
     lt, gt = TOL[base["dtype"]]
-    sp = o["sequence_parallel"]
 
     def poisoned(values: list) -> bool:
         """A gradient all NaN beside a correct loss: a failed guard's (device verdict) where no token counts
         (the loss is 0, and so is the reference's), never a finite wrong value."""
         return poison and bool(values) and all(u != u for u in values)
 
-    n_in = base["n_in"]
     for r, out in enumerate(outs):
         v = out.value
-        rows = slice(r * n_in, (r + 1) * n_in) if sp else slice(0, ref["dx"].shape[0])
+        rows = rank_rows(base, change, r)
         want = ref["loss"][rows] if o["reduction"] == "none" else ref["loss"]
         assert _rel(v["loss"], want) <= lt, f"rank {r}: loss {v['loss'][:4]} vs {want.flatten()[:4].tolist()}\n{where}"
         if v["ent"] is not None and o["return_entropy"]:
@@ -376,15 +381,8 @@ def check(base: dict, change: dict, poison: bool, outs) -> None:
             assert _rel(total, ref["dx"]) <= gt, f"partial dX summed over the ranks\n{where}"
         else:
             for r, d in enumerate(dxs):
-                rows = slice(r * n_in, (r + 1) * n_in) if sp else slice(0, ref["dx"].shape[0])
+                rows = rank_rows(base, change, r)
                 assert _rel(d, ref["dx"][rows]) <= gt, f"rank {r}: dX\n{where}"
-
-
-def _rows(base: dict, rank: int, count: int) -> slice | None:
-    n_in = base["n_in"]
-    if count not in (n_in, n_in + 1):
-        return None
-    return slice(rank * n_in, rank * n_in + count) if base["opts"]["sequence_parallel"] else slice(0, count)
 
 
 # ---------------------------------------------------------------------------------------------- tests

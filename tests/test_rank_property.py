@@ -336,7 +336,7 @@ def check(base: dict, change: dict, poison: bool, outs) -> None:
         assert len(set(errors)) == 1, f"ranks raised different errors {errors}: {[o.message[:600] for o in outs]}\n{where}"
         assert errors[0] in ("ValueError", "TypeError"), f"{outs[0].message[:2000]}\n{where}"
         return
-    world, o = base["world"], base["opts"]
+    o = base["opts"]
     ref = reference(base, change)
     valid = ref["valid"]
     nan = [any(v != v for v in out.value["loss"]) for out in outs]

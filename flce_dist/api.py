@@ -406,10 +406,18 @@ def fused_linear_cross_entropy(
     same bytes); backward one
     all-reduce of dX (``N*H``, hidden's dtype; none with ``partial_dx`` or without a hidden
     gradient); sequence parallel: plus all-gathers of hidden and target and a reduce-scatter of dX
-    instead of the all-reduce. Once per stated layout, one all-gather of the shard starts and sizes,
-    the token count and the call's signature checks the layout and that every rank makes the same
-    call (a host sync); under torch.compile it runs while tracing. Every call's first statistics
-    all-gather also carries a 32-byte guard per rank (``distributed/guard.py``; no host sync).
+    instead of the all-reduce. Once per agreed plan (the group's first call, or a call that every rank
+    changed together), one all-gather of the shard starts and sizes, the token count and the call's
+    signature checks the layout and that every rank makes the same call (a host sync); under
+    torch.compile it runs while tracing. Every call's first statistics all-gather also carries a 32-byte
+    guard per rank (``distributed/guard.py``; no host sync; at N = 0 the fused strategy still sends it,
+    one all-gather). Which collectives a rank issues is decided from the group's history of agreed
+    calls (``distributed/agree.py``), never from this rank's arguments alone: a call whose plan is not
+    the predicted one runs that plan's collectives on stand-in inputs (its peers' and its own guard
+    fail: the same ValueError on CPU tensors and with ``check_finite``, NaN outputs and gradients
+    otherwise), plus, where every rank changed plans, the handshake (docs/guarantees.md). Sequence
+    parallel with ``return_entropy``: the backward all-gathers the entropy's gradient (4N/P bytes per
+    rank) whether or not it is used.
 
     Memory: no ``[N, V_local]`` logits: one logits chunk (``chunking.py``), ``O(N)`` float32
     statistics, and the gradients that are formed (dW ``[V_local, H]``, dX ``[N, H]``).

@@ -2,9 +2,11 @@
 
 Every rank of a group must make the same call: the same options and settings, the same tokens (or
 equal slices under sequence parallelism) and the same targets, all inside ``[0, V)``. The shard
-check of ``shard.py`` compares the layout and options once per stated layout; this guard checks
-every call, so that a rank that changes an option or its token count later, or passes other targets
-than its peers, or a shard other than the one that was checked, never yields a finite wrong loss.
+check of ``shard.py`` compares the layout and options once per agreed plan (``agree.py``: the plan
+every rank issues its collectives by is taken from the group's history of agreed calls, so a rank
+whose call differs runs that plan in its place); this guard checks every call, so that a rank that
+changes an option, its weights or its token count later, or passes other targets than its peers, or
+a shard other than the one that was checked, never yields a finite wrong loss.
 
 Each rank appends ``WORDS`` int32 words to its ``[Nc, 4]`` statistics (as the raw bits of extra
 float rows, 32 bytes) in the first statistics all-gather of each call

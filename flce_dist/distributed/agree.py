@@ -27,16 +27,17 @@ alternates two heads or a log-prob and a training call) is predicted exactly. Th
   inputs with an empty shard, so nothing is computed but its collectives), whose guard carries this
   call's own digest, so that every rank's guard fails at the first statistics all-gather. The stand-in
   reads that all-gather's guards (a host sync, paid only here): if **every** rank stood in for the same new
-  plan, the group changed plans together (a new head, evaluation after training): every rank raises
-  :class:`Replan` there, runs the handshake for the new plan and then the call itself. Otherwise the ranks
+  plan and token count, the group changed plans together (a new head, evaluation after training): every rank
+  raises :class:`Replan` there, records the new plan (running the handshake where its stated layout is new)
+  and then runs the call itself. Otherwise the ranks
   differ: the ones whose calls were predicted run on and fail their guard (the same ``ValueError`` on CPU
   tensors and with ``check_finite``, NaN otherwise), and the stand-ins finish the predicted plan's
   collectives, forward and (when autograd runs it) backward, and return NaN in the shape of their own
   call. Every rank issued the same collectives; the history records the predicted plan on every rank.
 
 Costs: a hit costs a digest (cached) and two dict operations on the host. A plan change that every rank
-makes costs one statistics all-gather of stand-in inputs, a host sync and the handshake, once per change
-(the successor table makes a steady alternation free). Not caught here: a rank whose token count alone
+makes costs one statistics all-gather of stand-in inputs and a host sync, once per change (plus the
+handshake where the stated layout is new; the successor table makes a steady alternation free). Not caught here: a rank whose token count alone
 differs issues differently sized all-gathers (the guard compares the count but cannot stop them; gloo
 aborts on the size mismatch, NCCL hangs or pairs them wrongly); a rank that skips the backward its peers
 run (a rank that never enters a collective: the group's timeout); calls under ``torch.compile``, whose

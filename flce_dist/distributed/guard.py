@@ -178,10 +178,11 @@ def verdict(guards: torch.Tensor) -> torch.Tensor:
 
 def settle_stand_in(guards: torch.Tensor, predicted: int) -> None:
     """A stand-in's reading of the gathered ``guards`` (a host sync; ``agree.py``). Where every rank stood in
-    (no rank sent ``predicted``, the plan every rank expected): for the same call, :class:`agree.Replan`; for
-    different calls, the same ``ValueError`` on every rank if one of their own calls raises on a failed guard
-    (CPU tensors, ``check_finite``: bit 2 of word 2), as each rank read the guards. Else nothing here: the guard
-    fails on every rank, and each rank, stand-ins included, raises or poisons as the predicted plan does."""
+    (no rank sent ``predicted``, the plan every rank expected): for the same call and token count,
+    :class:`agree.Replan`; for other token counts, or for different calls where one of them raises on a failed
+    guard (CPU tensors, ``check_finite``: bit 2 of word 2), the same ``ValueError`` on every rank, as each rank
+    read the guards. Else nothing here: the guard fails on every rank, and each rank, stand-ins included, raises
+    or poisons as the predicted plan does."""
     from .agree import Replan
 
     g = guards.cpu()
@@ -189,9 +190,10 @@ def settle_stand_in(guards: torch.Tensor, predicted: int) -> None:
     want = torch.tensor([predicted & 0x7FFFFFFF, (predicted >> 31) & 0x7FFFFFFF], dtype=head.dtype)
     if bool((head == want).all(1).any()):
         return
-    if bool((head == head[0]).all()):
+    tokens = bool((g[:, TOKENS] == g[0, TOKENS]).all())
+    if tokens and bool((head == head[0]).all()):
         raise Replan()
-    if bool((g[:, STALE] & 2).any()):
+    if not tokens or bool((g[:, STALE] & 2).any()):
         raise_if_failed(g)
 
 

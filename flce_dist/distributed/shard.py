@@ -221,10 +221,11 @@ def agree_call(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start
 def agree_new(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start: int | None, device: torch.device,
               n_tokens: int, fields: tuple, vocab_size: int | None, digest: int,
               make_plan: Callable[[int, int], object]) -> tuple[int, int, bool]:
-    """After :class:`agree.Replan` (every rank of the group stood in for one new plan, ``digest``): every rank
-    runs the handshake for it (the same ``ValueError`` on every rank if the calls still differ, e.g. in the
-    token count), records it and notes that it ran: ``(vocab_start, vocab_size, stale)``."""
-    start, vocab, stale = resolve_shard(group, weight, vocab_start, device, n_tokens, fields, vocab_size, force=True)
+    """After :class:`agree.Replan` (every rank of the group stood in for one new plan, ``digest``, with the same
+    token count: the stand-ins' guards compared both): the layout from the cache, or, where this stated layout
+    is new (the cache is the same on every rank), the handshake on every rank; records the plan and notes that
+    it ran: ``(vocab_start, vocab_size, stale)``."""
+    start, vocab, stale = resolve_shard(group, weight, vocab_start, device, n_tokens, fields, vocab_size)
     hist = agree.history(group)
     hist.record(digest, make_plan(start, vocab))
     hist.redo(digest)

@@ -96,7 +96,6 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
     runs, with the same gradients present, where its peers' runs), and the ``inputs`` that need a gradient
     get NaN ones (as on its peers, whose guard failed)."""
     h, dtype, has_bias, need_dx, need_dw, num_items, _, _, lw_dtype, _ = plan.fields
-
     raises = core.can_raise(target, options)  # this call's own guard path: CPU tensors or check_finite
     dev = plan.device
     with torch.enable_grad() if need_dx or need_dw else torch.no_grad():

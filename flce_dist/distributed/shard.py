@@ -162,7 +162,7 @@ def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, v
     the token count, the targets), which every rank sees.
 
     ``force``: run the handshake whatever the cache holds (:func:`agree_call`: a group without a history of
-    agreed calls, or a plan that every rank changed to); every rank of the group passes it alike."""
+    agreed calls, which every rank of the group is alike)."""
     v_local = int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(weight)
     if group is None or dist.get_world_size(group) == 1:
         if vocab_start not in (None, 0):

@@ -91,8 +91,8 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
     guard sending ``digest`` so that every rank's guard fails. Raises the guard's ``ValueError`` where the plan
     raises (CPU tensors, ``check_finite``) or where every rank stood in and one of their own calls would
     (``guard.settle_stand_in``), :class:`Replan` where every rank changed to this call's plan;
-    else returns this call's outputs, NaN (0 for the per-token values of ignored tokens), shaped as they would
-    be: the loss's and the entropy's gradients flow into the stand-in's loss and entropy (so that its backward
+    else returns this call's outputs, NaN (a scalar loss always, per-token values where this call's token counts,
+    0 where it is ignored), shaped as they would be: the loss's and the entropy's gradients flow into the stand-in's loss and entropy (so that its backward
     runs, with the same gradients present, where its peers' runs), and the ``inputs`` that need a gradient
     get NaN ones (as on its peers, whose guard failed)."""
     h, dtype, has_bias, need_dx, need_dw, num_items, _, _, lw_dtype, _ = plan.fields
@@ -105,18 +105,13 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
         lw = None if lw_dtype is None else torch.ones(n, dtype=getattr(torch, lw_dtype.split(".")[-1]), device=dev)
         items = torch.ones((), device=dev) if num_items else None
         p = dataclasses.replace(plan.params, stand_in=(digest, raises))
-        # this call's targets where the plan takes as many (under sequence parallelism they are gathered: the
-        # stand-in's outputs are NaN where its peers' are, 0 where no token of theirs counts)
+        # this call's targets where the plan takes as many (under sequence parallelism the plan gathers them)
         t = target.reshape(-1).to(torch.int64)
         t = t if t.numel() == n and t.device == dev else torch.zeros(n, dtype=torch.int64, device=dev)
         loss, _, _, ent = _eager(x, w, b, t, items, p, group, lw)
+    # NaN as its peers' failed guard gives theirs: a scalar always, a per-token value where this call's token counts
     nan = torch.full(target.shape, float("nan"), device=target.device)
-    if plan.params.reduction == "none" and loss.numel() == target.numel():  # the plan's per-token values
-        per_token = loss.detach().reshape(target.shape).to(nan.device)
-    else:
-        per_token = torch.where(target == options.ignore_index, 0.0, nan)
-    # a scalar is NaN where any token counts (the peers' poisoned mean or sum), else 0 (no token: their loss is 0)
-    scalar = torch.where(loss.detach().isnan().any(), float("nan"), 0.0).to(nan.device)
+    per_token, scalar = torch.where(target == options.ignore_index, 0.0, nan), nan.new_full((), float("nan"))
     mine = [u for u in inputs if u is not None and u.requires_grad and torch.is_grad_enabled()]
     mine = [_NaNGradient.apply(*mine)] if mine else []
 

@@ -13,11 +13,17 @@ no copy would change it. The copy is differentiable (its gradient flows to the v
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 DEVICE_TYPES = ("cuda",)  # where the kernels may build tensor descriptors (a test adds "cpu" to run the copies there)
 
 
+@overload
+def aligned(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def aligned(t: None) -> None: ...
 def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` contiguous, and on CUDA with a 16-byte aligned base pointer (a copy where it is not)."""
     if t is None:

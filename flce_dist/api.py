@@ -22,9 +22,9 @@ from .autograd import FLCEFunction
 from .compile_op import fused_lce
 from .distributed import resolve_call, resolve_shard
 from .distributed.agree import Replan
+from .distributed.dtensor import is_dtensor, unwrap
 from .distributed.guard import call_digest
 from .distributed.shard import agree_call, agree_new
-from .distributed.dtensor import is_dtensor, unwrap
 from .options import FLCEParams, LossOptions
 from .settings import Settings, current
 
@@ -83,7 +83,7 @@ class _NaNGradient(torch.autograd.Function):
         return tuple(torch.full(shape, float("nan"), dtype=dtype, device=dev) for shape, dtype, dev in ctx.like)
 
 
-def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target: torch.Tensor,
+def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup | None, target: torch.Tensor,
               options: LossOptions, dt, inputs: tuple) -> object:
     """Run ``plan`` (the call every rank expected) in place of this rank's call, whose plan has ``digest``
     (``distributed/agree.py``): the core on stand-in inputs of ``n`` tokens (zeros, an empty shard: it
@@ -122,7 +122,9 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup, target
         with torch.enable_grad():  # also under no_grad here when the plan forms gradients (its backward must run)
             # 0 x the stand-in's output (NaN where its guard failed: not in the value), and NaN x this call's inputs
             parts = ([torch.nan_to_num(into.float() * 0.0).sum()] if into is not None else []) + mine
-            return value + sum(parts).to(value.device)
+            for part in parts:
+                value = value + part.to(value.device)
+            return value
 
     ent = ent if plan.params.return_entropy else None  # (the plan's entropy output, if it has one)
     out = linked(per_token if options.reduction == "none" else scalar, loss)

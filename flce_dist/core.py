@@ -84,7 +84,7 @@ from .distributed.guard import call_guard, plan_digest, raise_if_failed, settle_
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
 from . import accumulate, chunking, rowscale
-from .options import FLCEParams
+from .options import FLCEParams, LossOptions
 from .settings import Settings
 from .vocab_order import VocabOrder
 
@@ -158,7 +158,7 @@ def _grad_kw(p: FLCEParams) -> dict:
                 one_minus_eps=1.0 - p.label_smoothing, two_zl=2.0 * p.z_loss, softcap=p.cap, settings=p.settings)
 
 
-def can_raise(x: torch.Tensor, p: FLCEParams) -> bool:
+def can_raise(x: torch.Tensor, p: FLCEParams | LossOptions) -> bool:
     """Whether a failed guard raises (a host sync: free on CPU tensors, already paid with
     ``check_finite``) rather than only poisoning the loss with NaN (CUDA)."""
     return x.device.type == "cpu" or p.check_finite
@@ -225,7 +225,7 @@ class _Guard:
 
     def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
                  group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool | tuple,
-                 tokens: "_Tokens | None" = None) -> None:
+                 tokens: _Tokens | None = None) -> None:
         self.x, self.tgt, self.bad, self.p, self.rows = x, tgt, bad, p, rows
         self.has_bias, self.needs_grad, self.tokens = has_bias, needs_grad, tokens
         self.raise_ok = can_raise(x, p)

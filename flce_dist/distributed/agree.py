@@ -96,7 +96,7 @@ class History:
 
 
 _MAX_PLANS = 256
-_HISTORY: "weakref.WeakKeyDictionary[dist.ProcessGroup, History]" = weakref.WeakKeyDictionary()
+_HISTORY: weakref.WeakKeyDictionary[dist.ProcessGroup, History] = weakref.WeakKeyDictionary()
 
 
 def history(group: dist.ProcessGroup) -> History:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

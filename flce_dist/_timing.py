@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import csv
 import statistics
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
@@ -18,8 +18,14 @@ SHAPES = {"llama3": (4096, 128256), "qwen3": (4096, 151936), "gemma": (2304, 262
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def cuda_time_ms(fn: Callable[[], object], reps: int, warmup: int = 3, before: Callable[[], object] | None = None,
-                 calls: int = 1, lead: int = 0) -> float:
+def cuda_time_ms(
+    fn: Callable[[], object],
+    reps: int,
+    warmup: int = 3,
+    before: Callable[[], object] | None = None,
+    calls: int = 1,
+    lead: int = 0,
+) -> float:
     """Median of ``reps`` CUDA-event timings of ``fn`` after ``warmup`` calls (``before`` runs
     ahead of each timed call, outside the events, e.g. a barrier). With ``calls`` > 1 each sample
     times that many back-to-back calls (no host sync between them) and divides by it; ``lead``
@@ -51,8 +57,9 @@ def cuda_steady_ms(fn: Callable[[], object], reps: int, calls: int = 5) -> float
     return cuda_time_ms(fn, reps, calls=calls, lead=1)
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int,
-                   timer: Callable[[Callable[[], object]], float] | None = None) -> dict[str, list[float]]:
+def interleaved_ms(
+    fns: dict[str, Callable[[], object]], rounds: int, timer: Callable[[Callable[[], object]], float] | None = None
+) -> dict[str, list[float]]:
     """Per-round times of several callables timed in turn: ``rounds`` rounds, each timing every entry
     of ``fns`` once with ``timer`` (default: ``cuda_steady_ms`` at 3 samples), the order rotated by one
     per round so that no entry always follows the same one. Close calls between implementations (within
@@ -63,7 +70,7 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int,
     names = list(fns)
     out: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             out[k].append(timer(fns[k]))
     return out
 
@@ -123,8 +130,8 @@ def chunked_matmuls(x: torch.Tensor, w: torch.Tensor, rows: int) -> Callable[[],
     def run() -> None:
         acc = accumulate.Float32DW(v, w.shape[1], w.dtype, w.device) if acc32 else None
         for i, s in enumerate(range(0, n, rows)):
-            xc = x[s:s + rows]
-            e = buf[:xc.shape[0]]
+            xc = x[s : s + rows]
+            e = buf[: xc.shape[0]]
             torch.mm(xc, w.T, out=e)
             # float32 out, as the loss's (whose row_scale then reads it); the CPU has no mm.dtype (tests)
             torch.mm(e, w, out_dtype=torch.float32) if e.is_cuda else torch.mm(e, w).float()

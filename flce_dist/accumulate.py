@@ -68,8 +68,10 @@ class Float32DW:
     def __init__(self, v: int, h: int, dtype: torch.dtype, device: torch.device) -> None:
         self.v, self.h, self.dtype = v, h, dtype
         self.split = -(-v // 2)
-        self.halves = [torch.empty(self.split, h, dtype=torch.float32, device=device),
-                       torch.empty(v - self.split, h, dtype=torch.float32, device=device)]
+        self.halves = [
+            torch.empty(self.split, h, dtype=torch.float32, device=device),
+            torch.empty(v - self.split, h, dtype=torch.float32, device=device),
+        ]
 
     def add(self, dz: torch.Tensor, x: torch.Tensor, first: bool) -> None:
         """``dW += dz.T @ x`` (``dz`` [rows, v], ``x`` [rows, h]); ``first``: write instead of add."""
@@ -91,5 +93,5 @@ class Float32DW:
             b = min(self.split, a + rows)
             out[a:b] = lo[a:b].to(self.dtype)
         if hi.numel():  # out rows [split, v) overlap lo's rows [split/2, v/2): all consumed above
-            out[self.split:].copy_(hi)  # converts in the copy: no temporary of hi's size
+            out[self.split :].copy_(hi)  # converts in the copy: no temporary of hi's size
         return out

@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import math
 import numbers
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,18 @@ from .settings import Settings, current
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # Arguments of fused_linear_cross_entropy that are not LossOptions fields.
-NON_OPTIONS = ("hidden", "weight", "target", "bias", "group", "vocab_start", "vocab_size", "num_items_in_batch",
-               "settings", "loss_weights")
+NON_OPTIONS = (
+    "hidden",
+    "weight",
+    "target",
+    "bias",
+    "group",
+    "vocab_start",
+    "vocab_size",
+    "num_items_in_batch",
+    "settings",
+    "loss_weights",
+)
 
 # Never traced by TorchDynamo: the eager Function (used whenever the custom op is not: eager calls,
 # and under torch.compile with sequence parallelism or DTensor inputs, as a graph break), and the
@@ -83,8 +94,16 @@ class _NaNGradient(torch.autograd.Function):
         return tuple(torch.full(shape, float("nan"), dtype=dtype, device=dev) for shape, dtype, dev in ctx.like)
 
 
-def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup | None, target: torch.Tensor,
-              options: LossOptions, dt, inputs: tuple) -> object:
+def _stand_in(
+    plan: _Plan,
+    digest: int,
+    n: int,
+    group: dist.ProcessGroup | None,
+    target: torch.Tensor,
+    options: LossOptions,
+    dt,
+    inputs: tuple,
+) -> object:
     """Run ``plan`` (the call every rank expected) in place of this rank's call, whose plan has ``digest``
     (``distributed/agree.py``): the core on stand-in inputs of ``n`` tokens (zeros, an empty shard: it
     computes nothing but issues the plan's collectives, forward and, when autograd runs it, backward), its
@@ -128,10 +147,11 @@ def _stand_in(plan: _Plan, digest: int, n: int, group: dist.ProcessGroup | None,
 
     ent = ent if plan.params.return_entropy else None  # (the plan's entropy output, if it has one)
     out = linked(per_token if options.reduction == "none" else scalar, loss)
-    extras = (([nan] if options.return_lse else [])
-              + ([torch.zeros(target.shape, dtype=torch.bool, device=target.device)]
-                 if options.return_token_accuracy else [])
-              + ([linked(per_token, ent)] if options.return_entropy else []))
+    extras = (
+        ([nan] if options.return_lse else [])
+        + ([torch.zeros(target.shape, dtype=torch.bool, device=target.device)] if options.return_token_accuracy else [])
+        + ([linked(per_token, ent)] if options.return_entropy else [])
+    )
     if dt is not None:
         out = dt.wrap_tokens(out) if options.reduction == "none" else out
         extras = [dt.wrap_tokens(e) for e in extras]
@@ -162,8 +182,10 @@ def _memo(table: dict, key: tuple, make: Callable[[], object]):
 def _options(make: Callable[[], LossOptions]) -> tuple[LossOptions, tuple | None]:
     """(the validated options ``make()`` builds, their cache key; None where a value is unhashable). ``make``: a
     lambda over the API's keyword arguments; the key is the values it closes over (all of them, whatever they are)."""
-    key = tuple((float, v, math.copysign(1.0, v)) if type(v) is float else (type(v), v)
-                for v in (c.cell_contents for c in make.__closure__ or ()))
+    key = tuple(
+        (float, v, math.copysign(1.0, v)) if type(v) is float else (type(v), v)
+        for v in (c.cell_contents for c in make.__closure__ or ())
+    )
     try:
         hash(key)
     except TypeError:  # an unhashable value: LossOptions names it
@@ -171,14 +193,16 @@ def _options(make: Callable[[], LossOptions]) -> tuple[LossOptions, tuple | None
     return _memo(_OPTIONS, key, make), key
 
 
-def _params(start: int, vocab: int, options: LossOptions, settings: Settings, stale: bool,
-            okey: tuple | None) -> FLCEParams:
+def _params(
+    start: int, vocab: int, options: LossOptions, settings: Settings, stale: bool, okey: tuple | None
+) -> FLCEParams:
     """The call's FLCEParams: one object per (vocabulary slice, ``okey`` (the options' key of ``_options``; None:
     made fresh), settings, stale)."""
     if okey is None:
         return FLCEParams(start, vocab, options, settings, stale)
-    return _memo(_PARAMS, (start, vocab, okey, settings, stale),
-                 lambda: FLCEParams(start, vocab, options, settings, stale))
+    return _memo(
+        _PARAMS, (start, vocab, okey, settings, stale), lambda: FLCEParams(start, vocab, options, settings, stale)
+    )
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -200,19 +224,26 @@ def _check_shapes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}")
     h = hidden.shape[-1]
     if weight.shape[1] != h:
-        hint = (" (weight looks transposed: pass it as [V, H], like nn.Linear.weight, not [H, V])"
-                if weight.shape[0] == h else "")
+        hint = (
+            " (weight looks transposed: pass it as [V, H], like nn.Linear.weight, not [H, V])"
+            if weight.shape[0] == h
+            else ""
+        )
         raise ValueError(f"weight hidden size {weight.shape[1]} does not match hidden's last dim {h}{hint}")
     if h == 0:
         raise ValueError("hidden has hidden size H=0: the logits would all be 0; pass at least one feature")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 (or int32) class ids, got {target.dtype}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        hint = (" (the arguments are (hidden, weight, target); Liger's loss modules take (weight, hidden, target), "
-                "and weight is [V, H] like nn.Linear.weight)"
-                if hidden.dim() == 2 and target.dim() == 1 and target.shape[0] == weight.shape[0] else "")
-        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden's leading shape "
-                         f"{tuple(hidden.shape[:-1])}{hint}")
+        hint = (
+            " (the arguments are (hidden, weight, target); Liger's loss modules take (weight, hidden, target), "
+            "and weight is [V, H] like nn.Linear.weight)"
+            if hidden.dim() == 2 and target.dim() == 1 and target.shape[0] == weight.shape[0]
+            else ""
+        )
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])}{hint}"
+        )
     if target.device != hidden.device:
         raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
     if bias is not None:
@@ -227,8 +258,10 @@ def _check_loss_weights(w: object, target: torch.Tensor, hidden: torch.Tensor, d
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"loss_weights must be a float tensor shaped like target, or None, got {type(w).__name__}")
     if is_dtensor(w) or (dt is not None and dt.sequence_parallel):
-        raise TypeError("loss_weights must be a plain tensor, with plain or replicated DTensor hidden states (not with "
-                        "a sequence-sharded DTensor hidden: pass plain tensors and sequence_parallel=True)")
+        raise TypeError(
+            "loss_weights must be a plain tensor, with plain or replicated DTensor hidden states (not with "
+            "a sequence-sharded DTensor hidden: pass plain tensors and sequence_parallel=True)"
+        )
     if not w.is_floating_point():
         raise TypeError(f"loss_weights must be a floating-point tensor, got {w.dtype}")
     if tuple(w.shape) != tuple(target.shape):
@@ -236,8 +269,10 @@ def _check_loss_weights(w: object, target: torch.Tensor, hidden: torch.Tensor, d
     if w.device != hidden.device:
         raise ValueError(f"loss_weights is on {w.device} but hidden is on {hidden.device}")
     if w.requires_grad and torch.is_grad_enabled():
-        raise ValueError("loss_weights require a gradient, but no gradient flows to them (they are constants of the "
-                         "loss): pass loss_weights.detach()")
+        raise ValueError(
+            "loss_weights require a gradient, but no gradient flows to them (they are constants of the "
+            "loss): pass loss_weights.detach()"
+        )
     return w.reshape(-1).contiguous()
 
 
@@ -271,17 +306,24 @@ def _num_items(num_items_in_batch: object, device: torch.device) -> torch.Tensor
         return None
     if isinstance(num_items_in_batch, torch.Tensor):
         if num_items_in_batch.numel() != 1:
-            raise ValueError(f"num_items_in_batch must be a number or a 1-element tensor, got shape "
-                             f"{tuple(num_items_in_batch.shape)}")
+            raise ValueError(
+                f"num_items_in_batch must be a number or a 1-element tensor, got shape "
+                f"{tuple(num_items_in_batch.shape)}"
+            )
         if num_items_in_batch.device.type == "cpu" and not float(num_items_in_batch) >= 0:
             raise ValueError(f"num_items_in_batch must be >= 0, got {float(num_items_in_batch)}")
         if num_items_in_batch.device.type == "meta" and device.type != "meta":
             raise ValueError(f"num_items_in_batch is a meta tensor (no value) but hidden is on {device}")
         return num_items_in_batch.to(device).reshape(())
-    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, numbers.Real) \
-            or not 0 <= float(num_items_in_batch) < float("inf"):
+    if (
+        isinstance(num_items_in_batch, bool)
+        or not isinstance(num_items_in_batch, numbers.Real)
+        or not 0 <= float(num_items_in_batch) < float("inf")
+    ):
         # 0 is an all-padding micro-batch under gradient accumulation (its loss is 0)
-        raise ValueError(f"num_items_in_batch must be a finite number >= 0 or a 1-element tensor, got {num_items_in_batch!r}")
+        raise ValueError(
+            f"num_items_in_batch must be a finite number >= 0 or a 1-element tensor, got {num_items_in_batch!r}"
+        )
     return torch.as_tensor(num_items_in_batch, device=device).reshape(())
 
 
@@ -418,10 +460,26 @@ def fused_linear_cross_entropy(
     Memory: no ``[N, V_local]`` logits: one logits chunk (``chunking.py``), ``O(N)`` float32
     statistics, and the gradients that are formed (dW ``[V_local, H]``, dX ``[N, H]``).
     """
+
     def make() -> LossOptions:
-        return LossOptions(ignore_index, reduction, label_smoothing, z_loss, softcap, temperature, sequence_parallel,
-                           partial_dx, strategy, deterministic, grad_filter_eps, return_lse, return_token_accuracy,
-                           return_entropy, check_finite, check_inputs)
+        return LossOptions(
+            ignore_index,
+            reduction,
+            label_smoothing,
+            z_loss,
+            softcap,
+            temperature,
+            sequence_parallel,
+            partial_dx,
+            strategy,
+            deterministic,
+            grad_filter_eps,
+            return_lse,
+            return_token_accuracy,
+            return_entropy,
+            check_finite,
+            check_inputs,
+        )
 
     compiling = torch.compiler.is_compiling()
     # traced: built as written (a graph constant; no module-level cache inside a traced frame)
@@ -436,21 +494,26 @@ def fused_linear_cross_entropy(
     if bias is not None:
         bias = _check_tensor("bias", bias)
     if num_items_in_batch is not None and options.reduction != "mean":
-        raise ValueError(f"num_items_in_batch goes with reduction='mean' (the sum over it); with "
-                         f"reduction={options.reduction!r} it would be ignored: leave it None")
+        raise ValueError(
+            f"num_items_in_batch goes with reduction='mean' (the sum over it); with "
+            f"reduction={options.reduction!r} it would be ignored: leave it None"
+        )
     autocast = _autocast_device(hidden)
     if autocast is not None:  # autocast's rule for linear: compute in its dtype, gradients cast back
         hidden, weight = _autocast_cast(hidden, autocast), _autocast_cast(weight, autocast)
         bias = None if bias is None else _autocast_cast(bias, autocast)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral)
-                                   or vocab_size < 1):
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1
+    ):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     if options.partial_dx and is_dtensor(hidden):
-        raise ValueError("partial_dx=True needs a plain-tensor hidden: a DTensor hidden's gradient is placed like "
-                         "hidden (Replicate: the summed dX on every rank), so a per-rank partial has no placement "
-                         "there; partial_dx is also refused with sequence_parallel=True")
+        raise ValueError(
+            "partial_dx=True needs a plain-tensor hidden: a DTensor hidden's gradient is placed like "
+            "hidden (Replicate: the summed dX on every rank), so a per-rank partial has no placement "
+            "there; partial_dx is also refused with sequence_parallel=True"
+        )
     dt = None  # DTensor inputs: run on the local tensors (distributed/dtensor.py)
     if any(is_dtensor(t_) for t_ in (hidden, weight, bias, target)):
         dt = unwrap(hidden, weight, target, bias, group, vocab_start, options.sequence_parallel, options.ignore_index)
@@ -460,10 +523,12 @@ def fused_linear_cross_entropy(
             raise ValueError(f"vocab_size={vocab_size} but the DTensor weight has {dt.vocab_size} rows")
         vocab_size = dt.vocab_size
     elif group is not None and vocab_size is None and vocab_start is None:
-        raise ValueError("group= with plain tensors needs the layout stated: pass vocab_size= (the global vocabulary "
-                         "size; each rank's weight holds its rows, in rank order, e.g. weight[start:end] with "
-                         "(start, end) = flce_dist.vocab_shard(vocab_size, rank, world_size)) and/or vocab_start= "
-                         "(the global id of weight[0]). A DTensor weight states it itself")
+        raise ValueError(
+            "group= with plain tensors needs the layout stated: pass vocab_size= (the global vocabulary "
+            "size; each rank's weight holds its rows, in rank order, e.g. weight[start:end] with "
+            "(start, end) = flce_dist.vocab_shard(vocab_size, rank, world_size)) and/or vocab_start= "
+            "(the global id of weight[0]). A DTensor weight states it itself"
+        )
     _check_shapes(hidden, weight, target, bias)
     if loss_weights is not None:
         loss_weights = _check_loss_weights(loss_weights, target, hidden, dt)
@@ -476,32 +541,58 @@ def fused_linear_cross_entropy(
     need_dx = grad_on and hidden.requires_grad
     need_dw = grad_on and (weight.requires_grad or (bias is not None and bias.requires_grad))
     if weight.shape[0] == 0 and (group is None or dist.get_world_size(group) == 1):
-        raise ValueError("weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
-                         "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)")
+        raise ValueError(
+            "weight has 0 rows: without a group (or with a group of one rank) it must hold the whole "
+            "[V, H] vocabulary (an empty shard is legal only inside a group of several ranks)"
+        )
     meta = hidden.device.type == "meta"  # shapes only: the custom op's fake kernels (never Helion's reference mode)
     if meta and (group is not None or loss_weights is not None):
-        raise ValueError("meta tensors (shapes only) work without a group or loss_weights (a group's shard check is "
-                         "a collective; loss_weights run eagerly)")
+        raise ValueError(
+            "meta tensors (shapes only) work without a group or loss_weights (a group's shard check is "
+            "a collective; loss_weights run eagerly)"
+        )
     stand_in = None
     if group is None:  # no collective: stays inside a compiled graph
-        (start, vocab, stale), group_name, tp = resolve_shard(None, weight.shape[0], vocab_start, hidden.device,
-                                                              vocab_size=vocab_size), "", 1
+        (start, vocab, stale), group_name, tp = (
+            resolve_shard(None, weight.shape[0], vocab_start, hidden.device, vocab_size=vocab_size),
+            "",
+            1,
+        )
     else:  # the call's plan: what shapes its collectives, agreed across ranks (distributed/agree.py, shard.py)
-        fields = (h, str(hidden.dtype), bias is not None, need_dx, need_dw, num_items_in_batch is not None,
-                  options.signature(), settings.astuple(), None if loss_weights is None else str(loss_weights.dtype),
-                  hidden.device.type)
+        fields = (
+            h,
+            str(hidden.dtype),
+            bias is not None,
+            need_dx,
+            need_dw,
+            num_items_in_batch is not None,
+            options.signature(),
+            settings.astuple(),
+            None if loss_weights is None else str(loss_weights.dtype),
+            hidden.device.type,
+        )
         if compiling:  # traced: run once at trace time, its result a graph constant (assume_constant_result)
-            start, vocab, group_name, tp, stale = resolve_call(group.group_name, weight, vocab_start, hidden.device,
-                                                               -1, fields, vocab_size)
+            start, vocab, group_name, tp, stale = resolve_call(
+                group.group_name, weight, vocab_start, hidden.device, -1, fields, vocab_size
+            )
         elif dist.get_world_size(group) == 1:
-            start, vocab, group_name, tp, stale = _resolve(group, weight, vocab_start, hidden.device, x.shape[0],
-                                                           fields, vocab_size)
+            start, vocab, group_name, tp, stale = _resolve(
+                group, weight, vocab_start, hidden.device, x.shape[0], fields, vocab_size
+            )
         else:  # predicted from the group's agreed calls, or agreed now, or stood in for (agree.py)
             group_name, tp = group.group_name, dist.get_world_size(group)
             dev = hidden.device
-            agreed = (group, weight, vocab_start, dev, x.shape[0], fields, vocab_size,
-                      call_digest(*fields, vocab_size, vocab_start is None),  # (cached: the fields repeat)
-                      lambda s, v: _Plan(fields, dev, FLCEParams(s, v, _effective(options, tp), settings)))
+            agreed = (
+                group,
+                weight,
+                vocab_start,
+                dev,
+                x.shape[0],
+                fields,
+                vocab_size,
+                call_digest(*fields, vocab_size, vocab_start is None),  # (cached: the fields repeat)
+                lambda s, v: _Plan(fields, dev, FLCEParams(s, v, _effective(options, tp), settings)),
+            )
             start, vocab, stale, stand_in = _agree(*agreed)
     t = target.reshape(-1).to(torch.int64)
     if t.device.type == "cpu" and t.numel() and not compiling and tp == 1:  # with a group: the guard, on every rank
@@ -514,10 +605,17 @@ def fused_linear_cross_entropy(
     with torch.autocast(hidden.device.type, enabled=False) if autocast is not None else contextlib.nullcontext():
         if (compiling or meta) and not options.sequence_parallel and dt is None and loss_weights is None:
             # under torch.compile: the custom op (compile_op.py), one graph, no break
-            loss, lse, correct, ent, *_ = fused_lce(x.contiguous(), weight.contiguous(), bias, t.contiguous(),
-                                                    num_items,
-                                                    FLCEParams.encode(start, vocab, options, settings, stale),
-                                                    need_dx, need_dw, group_name)
+            loss, lse, correct, ent, *_ = fused_lce(
+                x.contiguous(),
+                weight.contiguous(),
+                bias,
+                t.contiguous(),
+                num_items,
+                FLCEParams.encode(start, vocab, options, settings, stale),
+                need_dx,
+                need_dw,
+                group_name,
+            )
         else:
             if stand_in is not None:  # this call is not the plan every rank expects: run that plan in its place
                 try:
@@ -531,29 +629,48 @@ def fused_linear_cross_entropy(
             if not grad_on:  # the Function sees requires_grad, not grad mode: it forms (and the guard compares)
                 x, weight, bias = x.detach(), weight.detach(), None if bias is None else bias.detach()  # none
             # contiguous, and on CUDA 16-byte aligned: a view at an odd offset into a flat buffer is copied (aligned.py)
-            loss, lse, correct, ent = _eager(aligned(x), aligned(weight), aligned(bias), aligned(t), num_items, params,
-                                             group, loss_weights)
+            loss, lse, correct, ent = _eager(
+                aligned(x), aligned(weight), aligned(bias), aligned(t), num_items, params, group, loss_weights
+            )
     if options.reduction == "none":
         loss = loss.reshape(target.shape)
     if options.check_finite and not bool(torch.isfinite(loss.detach()).all()):
         raise FloatingPointError(
             "fused_linear_cross_entropy: the loss is not finite: NaN/inf in hidden, weight or bias, a target "
-            "outside [0, V) on the GPU, or logits that overflow hidden's dtype (float16 tops out at 65504)")
-    extras = (([lse.reshape(target.shape)] if options.return_lse else [])
-              + ([correct.reshape(target.shape)] if options.return_token_accuracy else [])
-              + ([ent.reshape(target.shape)] if options.return_entropy else []))
+            "outside [0, V) on the GPU, or logits that overflow hidden's dtype (float16 tops out at 65504)"
+        )
+    extras = (
+        ([lse.reshape(target.shape)] if options.return_lse else [])
+        + ([correct.reshape(target.shape)] if options.return_token_accuracy else [])
+        + ([ent.reshape(target.shape)] if options.return_entropy else [])
+    )
     if dt is not None:  # per-token outputs placed like hidden's leading dims; a scalar loss stays plain
         loss = dt.wrap_tokens(loss) if options.reduction == "none" else loss
         extras = [dt.wrap_tokens(e) for e in extras]
     return (loss, *extras) if extras else loss
 
 
-_LOGPROB_REFUSED = ("reduction", "label_smoothing", "z_loss", "return_lse", "return_token_accuracy", "return_entropy",
-                    "num_items_in_batch", "strategy")
+_LOGPROB_REFUSED = (
+    "reduction",
+    "label_smoothing",
+    "z_loss",
+    "return_lse",
+    "return_token_accuracy",
+    "return_entropy",
+    "num_items_in_batch",
+    "strategy",
+)
 
 
-def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                         temperature: float = 1.0, partial_dx: bool = False, **kwargs):
+def logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    partial_dx: bool = False,
+    **kwargs,
+):
     """Per-token log-probabilities of ``target`` and entropies of the policy, both differentiable:
     the RL / post-training head (PPO, GRPO: ``logp`` in the ratio, ``entropy`` as a bonus).
 
@@ -583,8 +700,18 @@ def logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     """
     refused = sorted(set(kwargs) & set(_LOGPROB_REFUSED))
     if refused:
-        raise TypeError(f"logprobs_and_entropy: {refused} cannot be set here (log-probabilities are per token, "
-                        "without label smoothing or z-loss); call fused_linear_cross_entropy for the loss")
-    nll, entropy = fused_linear_cross_entropy(hidden, weight, target, temperature=temperature, reduction="none",
-                                              partial_dx=partial_dx, return_entropy=True, **kwargs)
+        raise TypeError(
+            f"logprobs_and_entropy: {refused} cannot be set here (log-probabilities are per token, "
+            "without label smoothing or z-loss); call fused_linear_cross_entropy for the loss"
+        )
+    nll, entropy = fused_linear_cross_entropy(
+        hidden,
+        weight,
+        target,
+        temperature=temperature,
+        reduction="none",
+        partial_dx=partial_dx,
+        return_entropy=True,
+        **kwargs,
+    )
     return -nll, entropy

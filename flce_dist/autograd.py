@@ -6,9 +6,11 @@ import torch
 
 from .core import flce_forward, recompute_grads, scale_precomputed, scale_weighted
 
-DOUBLE_BACKWARD = ("fused_linear_cross_entropy does not support double backward (a backward with create_graph=True, "
-                   "e.g. a gradient penalty): its gradients are formed by kernels, not by differentiable torch ops. "
-                   "Compute such a term with flce_dist.reference_loss (full logits) or without create_graph.")
+DOUBLE_BACKWARD = (
+    "fused_linear_cross_entropy does not support double backward (a backward with create_graph=True, "
+    "e.g. a gradient penalty): its gradients are formed by kernels, not by differentiable torch ops. "
+    "Compute such a term with flce_dist.reference_loss (full logits) or without create_graph."
+)
 
 
 def refuse_double_backward() -> None:
@@ -22,9 +24,11 @@ def partial_dx():
     """Removed: ``with partial_dx():`` was ambient state that a compiled call could not see. Pass
     ``partial_dx=True`` to :func:`flce_dist.fused_linear_cross_entropy` or
     :func:`flce_dist.logprobs_and_entropy` instead. Calling this raises ``RuntimeError``."""
-    raise RuntimeError("flce_dist.autograd.partial_dx() was removed: pass partial_dx=True to "
-                       "fused_linear_cross_entropy / logprobs_and_entropy (an explicit option, seen by "
-                       "torch.compile and compared across ranks)")
+    raise RuntimeError(
+        "flce_dist.autograd.partial_dx() was removed: pass partial_dx=True to "
+        "fused_linear_cross_entropy / logprobs_and_entropy (an explicit option, seen by "
+        "torch.compile and compared across ranks)"
+    )
 
 
 class FLCEFunction(torch.autograd.Function):
@@ -50,8 +54,20 @@ class FLCEFunction(torch.autograd.Function):
         # keep_logits: a recompute-strategy call keeps its forward's logits for the backward: all of them where they
         # fit one chunk (3 matmuls, not 4), else the backward's first vocab chunk (core.kept_columns)
         loss, lse, correct, ent, pre, (x, tl, lse_all, valid, ent_all, ctx.tw, kept) = flce_forward(
-            hidden, weight, bias, target, num_items, p, group, needs_grad, ctx.need_dx, ctx.need_dw, loss_weights,
-            copy_lse=p.return_lse, keep_logits=True)  # the API returns lse only with return_lse: no copy otherwise
+            hidden,
+            weight,
+            bias,
+            target,
+            num_items,
+            p,
+            group,
+            needs_grad,
+            ctx.need_dx,
+            ctx.need_dw,
+            loss_weights,
+            copy_lse=p.return_lse,
+            keep_logits=True,
+        )  # the API returns lse only with return_lse: no copy otherwise
         if needs_grad:
             # inputs cost nothing to keep (x is this rank's hidden, also under sequence parallelism);
             # they let a second backward (retain_graph, gradcheck) of the fused strategy recompute,
@@ -87,7 +103,22 @@ class FLCEFunction(torch.autograd.Function):
             if scaled is not None:
                 return *scaled, None, None, None, None, None
         kept, ctx.kept = ctx.kept, None
-        dx, dw, db = recompute_grads(x, w, b, tl, lse, valid, num_items, grad_loss, ctx.p, ctx.group, ent, grad_ent,
-                                     ctx.need_dx, ctx.need_dw, ctx.tw, kept)
-        return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None,
-                None, None, None, None, None)
+        dx, dw, db = recompute_grads(
+            x,
+            w,
+            b,
+            tl,
+            lse,
+            valid,
+            num_items,
+            grad_loss,
+            ctx.p,
+            ctx.group,
+            ent,
+            grad_ent,
+            ctx.need_dx,
+            ctx.need_dw,
+            ctx.tw,
+            kept,
+        )
+        return (dx if need[0] else None, dw if need[1] else None, db if need[2] else None, None, None, None, None, None)

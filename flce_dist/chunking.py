@@ -14,7 +14,9 @@ import torch
 
 from .settings import Settings
 
-EXTRA_BYTES = 1 << 30  # the loss's own memory beyond its inputs and the gradients it returns (the quality bar of SPEC section 5, restated in docs/settings.md)
+EXTRA_BYTES = (
+    1 << 30
+)  # the loss's own memory beyond its inputs and the gradients it returns (the quality bar of SPEC section 5, restated in docs/settings.md)
 HEADROOM_BYTES = 64 << 20  # what lives beside the chunk: per-tile partials (32 MiB at llama3), stats, targets
 CPU_CHUNK_BYTES = 256 << 20
 GATHER_SHARE = 8  # the gradient filter's gathered block of the weight shard: 1/8 of the chunk budget
@@ -40,8 +42,16 @@ def gather_rows(v: int, row_bytes: int, device: torch.device, settings: Settings
     return max(1, min(v, max(GATHER_ALIGN, rows // GATHER_ALIGN * GATHER_ALIGN)))
 
 
-def chunk_rows(total: int, row_elems: int, elem_size: int, device: torch.device, settings: Settings,
-               reserved_bytes: int = 0, share: int = 1, row_extra_bytes: int = 0) -> int:
+def chunk_rows(
+    total: int,
+    row_elems: int,
+    elem_size: int,
+    device: torch.device,
+    settings: Settings,
+    reserved_bytes: int = 0,
+    share: int = 1,
+    row_extra_bytes: int = 0,
+) -> int:
     """Rows per materialised logits chunk: the byte budget over the row size, then balanced.
 
     Budget: ``settings.chunk_bytes``, else on CUDA ``(EXTRA_BYTES - HEADROOM_BYTES) / share -

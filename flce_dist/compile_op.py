@@ -28,7 +28,6 @@ without running a kernel.
 
 # no ``from __future__ import annotations`` here: custom_op infers the op schema from the
 # annotations, and older torch releases do not evaluate string annotations
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,7 @@ from .options import FLCEParams
 Tensor = torch.Tensor
 
 
-def _group(name: str) -> Optional[dist.ProcessGroup]:
+def _group(name: str) -> dist.ProcessGroup | None:
     if not name:
         return None
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -51,19 +50,34 @@ def _group(name: str) -> Optional[dist.ProcessGroup]:
 
 
 @torch.library.custom_op("flce_dist::fused_lce", mutates_args=())
-def fused_lce(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, num_items: Optional[Tensor],
-              params: str, need_dx: bool, need_dw: bool, group_name: str
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def fused_lce(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    num_items: Tensor | None,
+    params: str,
+    need_dx: bool,
+    need_dw: bool,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
     hidden, weight, bias, target = aligned(hidden), aligned(weight), aligned(bias), aligned(target)  # aligned.py
-    loss, lse, correct, ent, pre, _ = flce_forward(hidden, weight, bias, target, num_items, p, _group(group_name),
-                                                   need_dx or need_dw, need_dx, need_dw)
+    loss, lse, correct, ent, pre, _ = flce_forward(
+        hidden, weight, bias, target, num_items, p, _group(group_name), need_dx or need_dw, need_dx, need_dw
+    )
     dx, dw, db = pre if pre is not None else (None, None, None)
     sd = acc_dtype(hidden.dtype)
     # outputs may not alias each other: a fresh empty tensor for each absent one
-    return (loss, lse, correct, hidden.new_empty(0, dtype=sd) if ent is None else ent,
-            hidden.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw,
-            hidden.new_empty(0, dtype=sd) if db is None else db)
+    return (
+        loss,
+        lse,
+        correct,
+        hidden.new_empty(0, dtype=sd) if ent is None else ent,
+        hidden.new_empty(0) if dx is None else dx,
+        weight.new_empty(0) if dw is None else dw,
+        hidden.new_empty(0, dtype=sd) if db is None else db,
+    )
 
 
 @fused_lce.register_fake
@@ -77,31 +91,69 @@ def _(hidden, weight, bias, target, num_items, params, need_dx, need_dw, group_n
     ent = hidden.new_empty((n if p.return_entropy else 0,), dtype=sd)
     if uses_fused(need_dx or need_dw, p.reduction, p.strategy, p.return_entropy):
         db = hidden.new_empty((weight.shape[0] if bias is not None and need_dw else 0,), dtype=sd)
-        return (loss, lse, correct, ent, torch.empty_like(hidden) if need_dx else hidden.new_empty(0),
-                torch.empty_like(weight) if need_dw else weight.new_empty(0), db)
+        return (
+            loss,
+            lse,
+            correct,
+            ent,
+            torch.empty_like(hidden) if need_dx else hidden.new_empty(0),
+            torch.empty_like(weight) if need_dw else weight.new_empty(0),
+            db,
+        )
     return loss, lse, correct, ent, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0, dtype=sd)
 
 
 @torch.library.custom_op("flce_dist::fused_lce_backward", mutates_args=())
-def fused_lce_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                       num_items: Optional[Tensor], lse: Tensor, ent: Tensor, grad_loss: Tensor,
-                       grad_ent: Optional[Tensor], params: str, need_dx: bool, need_dw: bool,
-                       group_name: str) -> tuple[Tensor, Tensor, Tensor]:
+def fused_lce_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+    num_items: Tensor | None,
+    lse: Tensor,
+    ent: Tensor,
+    grad_loss: Tensor,
+    grad_ent: Tensor | None,
+    params: str,
+    need_dx: bool,
+    need_dw: bool,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     p = FLCEParams.decode(params)
     hidden, weight, bias, target = aligned(hidden), aligned(weight), aligned(bias), aligned(target)  # aligned.py
     tl = local_targets(target, p, weight.shape[0])
-    dx, dw, db = recompute_grads(hidden, weight, bias, tl, lse, target != p.ignore_index, num_items, grad_loss, p,
-                                 _group(group_name), ent, grad_ent, need_dx, need_dw)
+    dx, dw, db = recompute_grads(
+        hidden,
+        weight,
+        bias,
+        tl,
+        lse,
+        target != p.ignore_index,
+        num_items,
+        grad_loss,
+        p,
+        _group(group_name),
+        ent,
+        grad_ent,
+        need_dx,
+        need_dw,
+    )
     # outputs may not alias each other: a fresh empty tensor for each gradient not formed
-    return (hidden.new_empty(0) if dx is None else dx, weight.new_empty(0) if dw is None else dw,
-            weight.new_empty(0) if db is None else db)
+    return (
+        hidden.new_empty(0) if dx is None else dx,
+        weight.new_empty(0) if dw is None else dw,
+        weight.new_empty(0) if db is None else db,
+    )
 
 
 @fused_lce_backward.register_fake
 def _(hidden, weight, bias, target, num_items, lse, ent, grad_loss, grad_ent, params, need_dx, need_dw, group_name):
     db = weight.new_empty((weight.shape[0],)) if bias is not None and need_dw else weight.new_empty(0)
-    return (torch.empty_like(hidden) if need_dx else hidden.new_empty(0),
-            torch.empty_like(weight) if need_dw else weight.new_empty(0), db)
+    return (
+        torch.empty_like(hidden) if need_dx else hidden.new_empty(0),
+        torch.empty_like(weight) if need_dw else weight.new_empty(0),
+        db,
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -117,8 +169,9 @@ def _setup_context(ctx, inputs, output):
     ctx.w_dtype = weight.dtype
     ctx.mark_non_differentiable(lse, output[2])
     if ctx.fused:
-        ctx.save_for_backward(dx if need_dx else None, dw if need_dw else None,
-                              db if bias is not None and need_dw else None)
+        ctx.save_for_backward(
+            dx if need_dx else None, dw if need_dw else None, db if bias is not None and need_dw else None
+        )
     else:
         ctx.save_for_backward(hidden, weight, bias, target, num_items, lse, ent)
 
@@ -134,11 +187,32 @@ def _backward(ctx, grad_loss, _grad_lse, _grad_correct, grad_ent, *_):
         dx, dw, db = scale_precomputed(dx, dw, db, grad_loss, ctx.w_dtype, inplace=False)
     else:
         hidden, weight, bias, target, num_items, lse, ent = ctx.saved_tensors
-        dx, dw, db = fused_lce_backward(hidden, weight, bias, target, num_items, lse, ent, grad_loss,
-                                        grad_ent if ctx.entropy else None, ctx.params, ctx.need_dx, ctx.need_dw,
-                                        ctx.group_name)
-    return (dx if ctx.need_dx else None, dw if ctx.need_dw else None, db if ctx.has_bias and ctx.need_dw else None,
-            None, None, None, None, None, None)
+        dx, dw, db = fused_lce_backward(
+            hidden,
+            weight,
+            bias,
+            target,
+            num_items,
+            lse,
+            ent,
+            grad_loss,
+            grad_ent if ctx.entropy else None,
+            ctx.params,
+            ctx.need_dx,
+            ctx.need_dw,
+            ctx.group_name,
+        )
+    return (
+        dx if ctx.need_dx else None,
+        dw if ctx.need_dw else None,
+        db if ctx.has_bias and ctx.need_dw else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 torch.library.register_autograd("flce_dist::fused_lce", _backward, setup_context=_setup_context)

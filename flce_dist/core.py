@@ -76,14 +76,20 @@ import functools
 import torch
 import torch.distributed as dist
 
+from . import accumulate, chunking, rowscale
 from .chunking import chunk_rows, even_rows, gather_rows
-from .distributed import (all_gather_rows, all_reduce_async, all_reduce_deterministic_, combine_stats, group_size,
-                          reduce_scatter_rows)
+from .distributed import (
+    all_gather_rows,
+    all_reduce_async,
+    all_reduce_deterministic_,
+    combine_stats,
+    group_size,
+    reduce_scatter_rows,
+)
 from .distributed.collectives import merge_stats
 from .distributed.guard import call_guard, plan_digest, raise_if_failed, settle_stand_in, value_checksum, verdict
 from .formulas import acc_dtype, mean_denominator
 from .kernels import launch as K
-from . import accumulate, chunking, rowscale
 from .options import FLCEParams, LossOptions
 from .settings import Settings
 from .vocab_order import VocabOrder
@@ -95,9 +101,14 @@ def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Te
     return K.target_rows(target, p.vocab_start, v_local, p.vocab_size, p.ignore_index, p.settings)[0]
 
 
-def row_weights(valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
-                dtype: torch.dtype = torch.float32, denom: torch.Tensor | None = None,
-                loss_weights: torch.Tensor | None = None) -> torch.Tensor:
+def row_weights(
+    valid: torch.Tensor,
+    p: FLCEParams,
+    num_items: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
+    denom: torch.Tensor | None = None,
+    loss_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
     """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows
     (``denom``: the mean's denominator, if already computed); with ``loss_weights`` [N] each row's
     weight w_n instead of 1 (and the mean's denominator sum_n w_n, see :func:`weighted_denominator`)."""
@@ -109,8 +120,11 @@ def row_weights(valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | No
     w = valid.to(dtype) if loss_weights is None else token_weights(valid, loss_weights, dtype)
     if p.reduction == "mean":
         if denom is None:
-            denom = (mean_denominator(valid, num_items, dtype) if loss_weights is None
-                     else weighted_denominator(w, num_items, dtype))
+            denom = (
+                mean_denominator(valid, num_items, dtype)
+                if loss_weights is None
+                else weighted_denominator(w, num_items, dtype)
+            )
         w = w / denom
     return w
 
@@ -130,8 +144,14 @@ def weighted_denominator(tw: torch.Tensor, num_items: torch.Tensor | None, dtype
     return torch.where(d == 0, torch.ones_like(d), d)
 
 
-def reduce_loss(loss: torch.Tensor, valid: torch.Tensor, p: FLCEParams, num_items: torch.Tensor | None,
-                denom: torch.Tensor | None = None, poison: torch.Tensor | None = None) -> torch.Tensor:
+def reduce_loss(
+    loss: torch.Tensor,
+    valid: torch.Tensor,
+    p: FLCEParams,
+    num_items: torch.Tensor | None,
+    denom: torch.Tensor | None = None,
+    poison: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The reduced loss; ``poison`` (0-d, the guard's 0 or NaN: :class:`_Guard`): added to a scalar loss, so that
     a failed guard makes it NaN also on a rank none of whose tokens counts (its per-token losses are 0, whatever
     the lse). The mean adds it in its division's kernel (``addcdiv``), the sum in one more."""
@@ -149,13 +169,18 @@ def uses_fused(needs_grad: bool, reduction: str, strategy: str, entropy: bool = 
     entropy: its per-token gradient is only known in the backward. ``reduction="none"`` only with
     ``loss_weights`` (``weighted``): the per-token gradient is expected to be ``c * w`` and checked
     in the backward (:func:`scale_weighted`)."""
-    return (needs_grad and (reduction != "none" or weighted) and strategy in ("auto", "fused")
-            and not entropy)
+    return needs_grad and (reduction != "none" or weighted) and strategy in ("auto", "fused") and not entropy
 
 
 def _grad_kw(p: FLCEParams) -> dict:
-    return dict(scale=p.logit_scale, eps_over_v=p.label_smoothing / p.vocab_size,
-                one_minus_eps=1.0 - p.label_smoothing, two_zl=2.0 * p.z_loss, softcap=p.cap, settings=p.settings)
+    return dict(
+        scale=p.logit_scale,
+        eps_over_v=p.label_smoothing / p.vocab_size,
+        one_minus_eps=1.0 - p.label_smoothing,
+        two_zl=2.0 * p.z_loss,
+        softcap=p.cap,
+        settings=p.settings,
+    )
 
 
 def can_raise(x: torch.Tensor, p: FLCEParams | LossOptions) -> bool:
@@ -174,8 +199,15 @@ class _Tokens:
     instead of delaying it (issue 53). Same values, same collectives in the same order (``lw``, this
     call's token weights, are all-gathered by the caller before)."""
 
-    def __init__(self, tgt: torch.Tensor, lw: torch.Tensor | None, p: FLCEParams, v_local: int,
-                 num_items: torch.Tensor | None, acc: torch.dtype) -> None:
+    def __init__(
+        self,
+        tgt: torch.Tensor,
+        lw: torch.Tensor | None,
+        p: FLCEParams,
+        v_local: int,
+        num_items: torch.Tensor | None,
+        acc: torch.dtype,
+    ) -> None:
         n, dev = tgt.shape[0], tgt.device
         self.tgt, self.lw, self.p, self.v_local, self.num_items, self.acc = tgt, lw, p, v_local, num_items, acc
         self.tl = torch.empty(n, dtype=torch.int32, device=dev)
@@ -187,8 +219,15 @@ class _Tokens:
     def targets(self) -> None:
         if not self.formed:
             p = self.p
-            K.target_rows(self.tgt, p.vocab_start, self.v_local, p.vocab_size, p.ignore_index, p.settings,
-                          out=(self.tl, self.valid, self.bad))
+            K.target_rows(
+                self.tgt,
+                p.vocab_start,
+                self.v_local,
+                p.vocab_size,
+                p.ignore_index,
+                p.settings,
+                out=(self.tl, self.valid, self.bad),
+            )
             self.formed = True
 
     def token_weights(self) -> torch.Tensor | None:
@@ -205,8 +244,11 @@ class _Tokens:
         if not self.weighed:
             self.token_weights()
             if self.p.reduction == "mean":
-                self.denom = (mean_denominator(self.valid, self.num_items, self.acc) if self.tw is None
-                              else weighted_denominator(self.tw, self.num_items, self.acc))
+                self.denom = (
+                    mean_denominator(self.valid, self.num_items, self.acc)
+                    if self.tw is None
+                    else weighted_denominator(self.tw, self.num_items, self.acc)
+                )
             self.weighed = True
         if fused and self.g is None:
             self.g = row_weights(self.valid, self.p, self.num_items, self.acc, self.denom, self.tw)
@@ -223,9 +265,18 @@ class _Guard:
     instead of delaying it. ``bad``: the call's targets outside ``[0, V)`` that are not
     ``ignore_index`` (``kernels/targets.py``; their loss becomes NaN)."""
 
-    def __init__(self, x: torch.Tensor, tgt: torch.Tensor, bad: torch.Tensor, p: FLCEParams,
-                 group: dist.ProcessGroup | None, rows: int, has_bias: bool, needs_grad: bool | tuple,
-                 tokens: _Tokens | None = None) -> None:
+    def __init__(
+        self,
+        x: torch.Tensor,
+        tgt: torch.Tensor,
+        bad: torch.Tensor,
+        p: FLCEParams,
+        group: dist.ProcessGroup | None,
+        rows: int,
+        has_bias: bool,
+        needs_grad: bool | tuple,
+        tokens: _Tokens | None = None,
+    ) -> None:
         self.x, self.tgt, self.bad, self.p, self.rows = x, tgt, bad, p, rows
         self.has_bias, self.needs_grad, self.tokens = has_bias, needs_grad, tokens
         self.raise_ok = can_raise(x, p)
@@ -235,10 +286,20 @@ class _Guard:
         """This rank's guard words (``guard.call_guard``)."""
         tk = self.tokens
         values = None if tk is None else value_checksum(tk.token_weights(), tk.num_items)
-        return call_guard(self.x, self.tgt, self.bad, self.p.vocab_size, self.rows, self.fields(),
-                          stale=self.p.stale_layout, count_bad=self.raise_ok, check_inputs=self.p.check_inputs,
-                          values=values, digest=self.p.stand_in[0] if self.p.stand_in else None,
-                          raises=bool(self.p.stand_in) and self.p.stand_in[1])
+        return call_guard(
+            self.x,
+            self.tgt,
+            self.bad,
+            self.p.vocab_size,
+            self.rows,
+            self.fields(),
+            stale=self.p.stale_layout,
+            count_bad=self.raise_ok,
+            check_inputs=self.p.check_inputs,
+            values=values,
+            digest=self.p.stand_in[0] if self.p.stand_in else None,
+            raises=bool(self.p.stand_in) and self.p.stand_in[1],
+        )
 
     def fields(self) -> tuple:
         return (self.p.options.signature(), self.p.settings.astuple(), self.has_bias, self.needs_grad)
@@ -263,13 +324,15 @@ class _Guard:
         return st
 
 
-def forward_stats(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                  p: FLCEParams, guard: _Guard) -> torch.Tensor:
+def forward_stats(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, p: FLCEParams, guard: _Guard
+) -> torch.Tensor:
     """Global per-token stats [N, 4] ([N, 5] with the entropy) without keeping logits (one
     collective). An empty batch or shard gets (-inf, 0, 0, -inf, 0) rows from the empty-chunk path
     of ``kernels.launch.lse_forward``."""
-    return guard.combine(K.lse_forward(x, w, b, tl, p.logit_scale, p.cap, p.needs_sum, p.settings,
-                                       with_ent=p.return_entropy))
+    return guard.combine(
+        K.lse_forward(x, w, b, tl, p.logit_scale, p.cap, p.needs_sum, p.settings, with_ent=p.return_entropy)
+    )
 
 
 def _helion_logits(x: torch.Tensor, p: FLCEParams) -> bool:
@@ -281,8 +344,9 @@ def _row_scale_form(x: torch.Tensor, has_bias: bool, p: FLCEParams) -> bool:
     return rowscale.applies(x.dtype, has_bias, p, _helion_logits(x, p), bool(p.options.filter_eps(x.dtype)))
 
 
-def fused_plan(n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, has_bias: bool,
-               need_dw: bool = True) -> int:
+def fused_plan(
+    n: int, x: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, has_bias: bool, need_dw: bool = True
+) -> int:
     """Token rows per chunk of the fused strategy on ``group``: :func:`fused_plan_for` its size."""
     return fused_plan_for(n, x, p, group_size(group), has_bias, need_dw)
 
@@ -306,13 +370,25 @@ def fused_plan_for(n: int, x: torch.Tensor, p: FLCEParams, tp: int, has_bias: bo
     Cached per (shape, dtype, device type, options, settings, group size, bias, dW and the budget's module
     constants): the plan depends on nothing else."""
     consts = (chunking.CPU_CHUNK_BYTES, chunking.EXTRA_BYTES, chunking.HEADROOM_BYTES, accumulate.AUTO_MIN_CHUNKS)
-    return _plan(n, x.shape[1], x.dtype, x.device.type, p.vocab_size, p.options, p.settings, tp, has_bias, need_dw,
-                 consts)
+    return _plan(
+        n, x.shape[1], x.dtype, x.device.type, p.vocab_size, p.options, p.settings, tp, has_bias, need_dw, consts
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(n: int, h: int, dtype: torch.dtype, device_type: str, vocab_size: int, options, settings: Settings, tp: int,
-          has_bias: bool, need_dw: bool, consts: tuple) -> int:
+def _plan(
+    n: int,
+    h: int,
+    dtype: torch.dtype,
+    device_type: str,
+    vocab_size: int,
+    options,
+    settings: Settings,
+    tp: int,
+    has_bias: bool,
+    need_dw: bool,
+    consts: tuple,
+) -> int:
     p = FLCEParams(0, vocab_size, options, settings)
     helion = settings.logits_backend == "helion" and not K.cublas_dtype(dtype, device_type)
     form = rowscale.applies(dtype, has_bias, p, helion, bool(options.filter_eps(dtype)))
@@ -320,8 +396,14 @@ def _plan(n: int, h: int, dtype: torch.dtype, device_type: str, vocab_size: int,
     v = -(-vocab_size // tp)
     size = dtype.itemsize
     rows = chunk_rows(n, v, size, torch.device(device_type), settings, share=tp, row_extra_bytes=extra)
-    if (need_dw and n > 0 and settings.chunk_bytes is None and settings.dw_accumulate == "auto"
-            and not options.filter_eps(dtype) and accumulate.uses_float32(dtype, -(-n // rows), settings)):
+    if (
+        need_dw
+        and n > 0
+        and settings.chunk_bytes is None
+        and settings.dw_accumulate == "auto"
+        and not options.filter_eps(dtype)
+        and accumulate.uses_float32(dtype, -(-n // rows), settings)
+    ):
         k = accumulate.AUTO_MIN_CHUNKS - 1
         fewer = even_rows(n, k, align=-(-n // k) >= 256)
         per_row = v * size + extra
@@ -333,13 +415,25 @@ def _plan(n: int, h: int, dtype: torch.dtype, device_type: str, vocab_size: int,
 def _gathered(order: VocabOrder, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None) -> tuple:
     """The gradient filter's ``filter_order="gather"`` inputs: the order's int32 index and the rows per
     gathered block of W (``chunking.gather_rows``, for cuBLAS logits)."""
-    return order.perm32, gather_rows(w.shape[0], w.shape[1] * w.element_size(), w.device, p.settings,
-                                     share=group_size(group))
+    return order.perm32, gather_rows(
+        w.shape[0], w.shape[1] * w.element_size(), w.device, p.settings, share=group_size(group)
+    )
 
 
-def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                           g: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, rows: int,
-                           guard: _Guard, need_dx: bool = True, need_dw: bool = True, tokens: _Tokens | None = None):
+def fused_forward_backward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    tl: torch.Tensor,
+    g: torch.Tensor | None,
+    p: FLCEParams,
+    group: dist.ProcessGroup | None,
+    rows: int,
+    guard: _Guard,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    tokens: _Tokens | None = None,
+):
     """Stats, dX (summed over the group, not yet reduce-scattered), dW and db in one pass over
     token chunks. ``g`` [N]: per-row gradient weights (grad_output excluded). ``need_dx`` False (a
     hidden that needs no gradient): no dX matmul and no dX all-reduce, dX is None; ``need_dw`` False
@@ -367,8 +461,7 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     dx = torch.empty_like(x) if need_dx else None
     # a 16-bit dW over several token chunks accumulates in float32 (accumulate.py); the filter's
     # block-sparse dW kernel accumulates in the weight's dtype
-    acc32 = (need_dw and not eps and n > 0
-             and accumulate.uses_float32(w.dtype, -(-n // max(1, rows)), p.settings))
+    acc32 = need_dw and not eps and n > 0 and accumulate.uses_float32(w.dtype, -(-n // max(1, rows)), p.settings)
     acc = accumulate.Float32DW(v, w.shape[1], w.dtype, w.device) if acc32 else None
     # the first chunk writes dW (no zero fill), later chunks accumulate; allocated right before the first dW
     # matmul, after the first chunk's temporaries (the pass's partials, the row-scale form's float32 [rows, H]
@@ -387,16 +480,17 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     # one chunk buffer for the whole loop (a fresh chunk per iteration would briefly hold two)
     zbuf = torch.empty(min(rows, n), v, dtype=x.dtype, device=x.device)
     for i in range(0, n, rows):
-        xc, tc = x[i:i + rows], tl[i:i + rows]
+        xc, tc = x[i : i + rows], tl[i : i + rows]
         # the first chunk's targets: formed by the logits pass's launch (lse_forward's prepare) or right here
         pre = tokens.targets if tokens is not None and i == 0 else None
         z = zbuf[: xc.shape[0]]
-        dxc = dx[i:i + rows] if need_dx else None
+        dxc = dx[i : i + rows] if need_dx else None
         xw = xc  # the dW matmul's x operand (the row-scale form's: c x)
         if rs:  # the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
-            rc = ref[i:i + rows]
-            local = K.lse_forward(xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc,
-                                  prepare=pre)
+            rc = ref[i : i + rows]
+            local = K.lse_forward(
+                xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc, prepare=pre
+            )
         elif perm is not None:  # the filter's sorted logits, block by block of gathered rows of W
             local = K.lse_forward_gathered(xc, w, b, perm, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z, grows)
         elif helion_logits:  # one Helion pass: the chunk's logits (stored) and their statistics
@@ -411,13 +505,13 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
         st = guard.combine(local)
         if g is None:  # the row weights, after the first pass (their launches overlap it)
             g = tokens.weights()
-        gc = g[i:i + rows]
+        gc = g[i : i + rows]
         if single and st.dtype == acc_dtype(x.dtype) and st.is_contiguous():
             stats = st
         else:
             if stats is None:
                 stats = torch.empty(n, 4, dtype=acc_dtype(x.dtype), device=x.device)
-            stats[i:i + rows] = st
+            stats[i : i + rows] = st
         lse = st[:, 0].contiguous()
         keep = None
         if rs:
@@ -470,10 +564,21 @@ def fused_forward_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | N
     return stats, dx, dw, db
 
 
-def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor,
-                       lse: torch.Tensor, g: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
-                       mu: torch.Tensor | None = None, gh: torch.Tensor | None = None,
-                       need_dx: bool = True, need_dw: bool = True, kept: torch.Tensor | None = None):
+def recompute_backward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    tl: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    p: FLCEParams,
+    group: dist.ProcessGroup | None,
+    mu: torch.Tensor | None = None,
+    gh: torch.Tensor | None = None,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    kept: torch.Tensor | None = None,
+):
     """dX (summed over the group unless sequence-parallel or ``p.partial_dx``: then this rank's
     partial), dW, db by vocab chunks; with ``mu``,
     ``gh`` [N] the entropy's gradient in the same pass. ``need_dx`` / ``need_dw`` False: that
@@ -513,12 +618,12 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     for j in range(0, v, cols):
         pc = None
         if perm is not None:  # this chunk's sorted rows read through perm (their logits pass's stats unused)
-            wc, pc, bc = w, perm[j:j + cols], order.rows(b, j, j + cols)
+            wc, pc, bc = w, perm[j : j + cols], order.rows(b, j, j + cols)
             z = x.new_empty(n, pc.numel())
             K.lse_forward_gathered(x, w, bc, pc, no_tgt, p.logit_scale, p.cap, False, p.settings, z, grows)
         else:
             if order is None:
-                wc, bc = w[j:j + cols], None if b is None else b[j:j + cols]
+                wc, bc = w[j : j + cols], None if b is None else b[j : j + cols]
             else:  # this chunk's rows of the sorted shard (a chunk-sized copy)
                 wc, bc = order.rows(w, j, j + cols), order.rows(b, j, j + cols)
             if j == 0 and kept is not None:
@@ -545,13 +650,13 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
         elif keep is not None:  # sorted rows, written back to the shard's order
             order.put(dw, j, K.dw_masked(z, x, keep, torch.empty_like(wc), False, p.settings))
         else:
-            torch.mm(z.T, x, out=dw[j:j + cols])
+            torch.mm(z.T, x, out=dw[j : j + cols])
         if db is not None:
             dbc = z.sum(0, dtype=db.dtype)
             if order is not None:
                 order.put(db, j, dbc)
             else:
-                db[j:j + cols] = dbc
+                db[j : j + cols] = dbc
     if need_dx and v == 0:
         out = dx.to(x.dtype)
         if reduce_dx and not p.sequence_parallel and not p.deterministic:
@@ -563,19 +668,34 @@ def recompute_backward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return (out if need_dx else None), dw, db
 
 
-def recompute_columns(x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
-                      need_dx: bool = True) -> int:
+def recompute_columns(
+    x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None, need_dx: bool = True
+) -> int:
     """Vocab columns per chunk of the recompute strategy's backward on this rank: the chunk budget over the
     ``[N, cols]`` logits chunk, less the float32 dX accumulator (the one buffer besides the chunk that is not
     a returned gradient), balanced over the shard's ``V_r`` rows (``chunking.chunk_rows``). Local to the rank:
     no collective depends on it."""
     acc = acc_dtype(x.dtype)
-    return chunk_rows(w.shape[0], x.shape[0], x.element_size(), x.device, p.settings,
-                      reserved_bytes=x.numel() * acc.itemsize if need_dx else 0, share=group_size(group))
+    return chunk_rows(
+        w.shape[0],
+        x.shape[0],
+        x.element_size(),
+        x.device,
+        p.settings,
+        reserved_bytes=x.numel() * acc.itemsize if need_dx else 0,
+        share=group_size(group),
+    )
 
 
-def kept_columns(x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None,
-                 needs_grad: bool, fused: bool, need_dx: bool = True) -> int:
+def kept_columns(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    p: FLCEParams,
+    group: dist.ProcessGroup | None,
+    needs_grad: bool,
+    fused: bool,
+    need_dx: bool = True,
+) -> int:
     """How many of the shard's vocab columns a recompute-strategy call keeps from its forward's logits for the
     backward (``flce_forward``'s ``keep_logits``; 0: none). Kept only where a gradient is needed, the strategy is
     not an explicit ``"recompute"`` (which keeps the least memory: one vocab chunk, only in the backward), no
@@ -601,8 +721,9 @@ def kept_columns(x: torch.Tensor, w: torch.Tensor, p: FLCEParams, group: dist.Pr
     return min(v, recompute_columns(x, w, p, group, need_dx))
 
 
-def _stored_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tokens: "_Tokens", p: FLCEParams,
-                    kept: torch.Tensor) -> torch.Tensor:
+def _stored_forward(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tokens: _Tokens, p: FLCEParams, kept: torch.Tensor
+) -> torch.Tensor:
     """This rank's local stats with the logits of the shard's first ``c = kept.shape[1]`` vocab columns stored in
     ``kept`` (:func:`kept_columns`): all columns in one storing pass, or the storing pass over ``[0, c)`` and
     the plain pass over ``[c, V_r)`` merged as two shards are (``merge_stats``: logsumexp, sum, max, entropy
@@ -610,21 +731,52 @@ def _stored_forward(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, to
     c, v = kept.shape[1], w.shape[0]
     kw = dict(with_ent=p.return_entropy)
     if c >= v:
-        return K.lse_forward(x, w, b, tokens.tl, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=kept,
-                             prepare=tokens.targets, **kw)
+        return K.lse_forward(
+            x, w, b, tokens.tl, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=kept, prepare=tokens.targets, **kw
+        )
     tokens.targets()
     tl = tokens.tl
-    head = K.lse_forward(x, w[:c], None if b is None else b[:c], torch.where(tl < c, tl, -1), p.logit_scale,
-                         p.cap, p.needs_sum, p.settings, z_out=kept, **kw)
-    tail = K.lse_forward(x, w[c:], None if b is None else b[c:], torch.where(tl >= c, tl - c, -1), p.logit_scale,
-                         p.cap, p.needs_sum, p.settings, **kw)
+    head = K.lse_forward(
+        x,
+        w[:c],
+        None if b is None else b[:c],
+        torch.where(tl < c, tl, -1),
+        p.logit_scale,
+        p.cap,
+        p.needs_sum,
+        p.settings,
+        z_out=kept,
+        **kw,
+    )
+    tail = K.lse_forward(
+        x,
+        w[c:],
+        None if b is None else b[c:],
+        torch.where(tl >= c, tl - c, -1),
+        p.logit_scale,
+        p.cap,
+        p.needs_sum,
+        p.settings,
+        **kw,
+    )
     return merge_stats(torch.stack([head, tail]), x.shape[0], None)[0]
 
 
-def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                 num_items: torch.Tensor | None, p: FLCEParams, group: dist.ProcessGroup | None, needs_grad: bool,
-                 need_dx: bool = True, need_dw: bool = True, loss_weights: torch.Tensor | None = None,
-                 copy_lse: bool = True, keep_logits: bool = False):
+def flce_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    num_items: torch.Tensor | None,
+    p: FLCEParams,
+    group: dist.ProcessGroup | None,
+    needs_grad: bool,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    loss_weights: torch.Tensor | None = None,
+    copy_lse: bool = True,
+    keep_logits: bool = False,
+):
     """The forward of both strategies (shared by ``FLCEFunction`` and the ``flce_dist::fused_lce`` op).
 
     Returns ``loss, lse, correct, ent, pre, saved``: ``ent`` the per-token entropy (0 for ignored
@@ -664,11 +816,13 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     fused = uses_fused(needs_grad, p.reduction, p.strategy, p.return_entropy, lw is not None)
     rows = fused_plan(x.shape[0], x, p, group, bias is not None, need_dw) if fused else 0
     # which gradients are formed is part of what every rank must agree on (the dX all-reduce)
-    guard = _Guard(x, tgt, tokens.bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, lw is not None),
-                   tokens)
+    guard = _Guard(
+        x, tgt, tokens.bad, p, group, rows, bias is not None, (needs_grad, need_dx, need_dw, lw is not None), tokens
+    )
     if fused:
-        stats, dx, dw, db = fused_forward_backward(x, weight, bias, tokens.tl, None, p, group, rows, guard, need_dx,
-                                                   need_dw, tokens=tokens)
+        stats, dx, dw, db = fused_forward_backward(
+            x, weight, bias, tokens.tl, None, p, group, rows, guard, need_dx, need_dw, tokens=tokens
+        )
         if sp and dx is not None:
             dx = reduce_scatter_rows(dx, group, p.deterministic)
         pre = (dx, dw, db)
@@ -684,8 +838,9 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     # lse in one launch (kernels/token_loss.py). A target outside [0, V) that is not ignore_index
     # poisons its loss with NaN (no device assert, no host sync; the API raises instead where the
     # check is free, on CPU without a group, and the guard on every rank of a group).
-    loss_rows, correct_all, lse_all = K.token_rows(stats, valid, bad, p.label_smoothing, p.vocab_size, p.z_loss,
-                                                   p.settings)
+    loss_rows, correct_all, lse_all = K.token_rows(
+        stats, valid, bad, p.label_smoothing, p.vocab_size, p.z_loss, p.settings
+    )
     rank_slice = slice(0, n_in)
     if sp:
         r = dist.get_rank(group)
@@ -704,9 +859,15 @@ def flce_forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return loss, lse, correct, ent, pre, (hidden if sp else x, tl, lse_all, valid, ent_all, tw, kept)
 
 
-def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torch.Tensor | None,
-                      grad_loss: torch.Tensor, w_dtype: torch.dtype, inplace: bool = True,
-                      settings: Settings = Settings()):
+def scale_precomputed(
+    dx: torch.Tensor | None,
+    dw: torch.Tensor | None,
+    db: torch.Tensor | None,
+    grad_loss: torch.Tensor,
+    w_dtype: torch.dtype,
+    inplace: bool = True,
+    settings: Settings = Settings(),
+):
     """The fused strategy's backward: its dX, dW, db times grad_output (in place unless ``inplace=False``).
     In place, ``kernels.scale_`` decides on the device whether grad_output is 1 (``loss.backward()``),
     and then reads and writes nothing: no host sync either way."""
@@ -725,25 +886,21 @@ def scale_precomputed(dx: torch.Tensor | None, dw: torch.Tensor | None, db: torc
     return dx, dw, db
 
 
-def scale_weighted(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, valid: torch.Tensor, p: FLCEParams,
-                   group: dist.ProcessGroup | None, w_dtype: torch.dtype):
-    """The fused strategy's backward for per-token losses with ``loss_weights``: ``pre`` = (dX, dW,
-    db) was formed in the forward with row weights w (``tw``, all rows). Exact when the arriving
-    gradient ``g`` [N_in] (this rank's rows) is ``c * w`` on every non-ignored token, one ``c`` on
-    every rank of the group (to 64 ulps of g's dtype per token): then dW and db are ``c`` times
-    theirs and each dX row ``g_n / w_n`` times its own (0 where ``w_n`` is 0). Returns the scaled
-    (dX, dW, db), or None when ``g`` is not of that form (the caller then recomputes exactly).
-
-    Every rank decides the same way: each computes its ``c`` (least squares over its rows, float64)
-    and whether its rows match it, one all-gather of these 3 numbers per rank (none on a single
-    rank) combines them, and one host sync reads the verdict and ``c``."""
-    dx, dw, db = pre
+def weighted_verdict(
+    grad_loss: torch.Tensor, tw: torch.Tensor, valid: torch.Tensor, p: FLCEParams, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Whether the arriving per-token gradient is ``c * w`` (the fused strategy's weighted backward), decided
+    on the device and the same on every rank: ``(g, tw, good, c)`` with ``g`` [N_in] this rank's gradient
+    (0 on ignored rows), ``tw`` this rank's token weights, ``good`` a 0-d bool (every non-ignored token within 64
+    ulps of ``c * w_n`` of g's dtype, every rank's ``c`` within that bound of the first rank with weight) and
+    ``c`` that first rank's least-squares scale (float64; 0 where no rank has weight). Each rank computes
+    its ``c`` over its rows; one all-gather of 3 float64 per rank (none on a single rank) combines them."""
     acc = tw.dtype
     g = grad_loss.reshape(-1).to(acc)
     n = g.shape[0]
     if p.sequence_parallel and group_size(group) > 1:  # this rank's slice of the gathered rows
         r = dist.get_rank(group)
-        tw, valid = tw[r * n:(r + 1) * n], valid[r * n:(r + 1) * n]
+        tw, valid = tw[r * n : (r + 1) * n], valid[r * n : (r + 1) * n]
     g = torch.where(valid, g, torch.zeros((), dtype=acc, device=g.device))  # ignored rows have no gradient
     g64, w64 = g.double(), tw.double()
     s1, s2 = (g64 * w64).sum(), (w64 * w64).sum()
@@ -758,7 +915,31 @@ def scale_weighted(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, valid:
     hs = info[:, 1] > 0
     c_ref = info[hs.to(torch.int32).argmax(), 0] * hs.any()  # the first rank with weight's c (or 0)
     agree = ((info[:, 0] - c_ref).abs() <= tol * c_ref.abs()) | ~hs
-    verdict, c_host = torch.stack([((info[:, 2] > 0).all() & agree.all()).double(), c_ref]).tolist()  # host sync
+    return g, tw, (info[:, 2] > 0).all() & agree.all(), c_ref
+
+
+def scale_weighted(
+    pre: tuple,
+    grad_loss: torch.Tensor,
+    tw: torch.Tensor,
+    valid: torch.Tensor,
+    p: FLCEParams,
+    group: dist.ProcessGroup | None,
+    w_dtype: torch.dtype,
+):
+    """The fused strategy's backward for per-token losses with ``loss_weights``: ``pre`` = (dX, dW,
+    db) was formed in the forward with row weights w (``tw``, all rows). Exact when the arriving
+    gradient ``g`` [N_in] (this rank's rows) is ``c * w`` on every non-ignored token, one ``c`` on
+    every rank of the group (to 64 ulps of g's dtype per token): then dW and db are ``c`` times
+    theirs and each dX row ``g_n / w_n`` times its own (0 where ``w_n`` is 0). Returns the scaled
+    (dX, dW, db), or None when ``g`` is not of that form (the caller then recomputes exactly).
+
+    Every rank decides the same way (:func:`weighted_verdict`: one all-gather of 3 numbers per rank, none
+    on a single rank), and one host sync reads the verdict and ``c`` (``integrations/megatron.py`` reads
+    them on the device instead, for CUDA-graph capture)."""
+    dx, dw, db = pre
+    g, tw, good, c_ref = weighted_verdict(grad_loss, tw, valid, p, group)
+    verdict, c_host = torch.stack([good.double(), c_ref]).tolist()  # host sync
     if not verdict:
         return None
     if dx is not None:  # dX row by row: exactly g_n / w_n times the w_n-weighted row
@@ -771,11 +952,24 @@ def scale_weighted(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, valid:
     return dx, dw, None if db is None else db.to(w_dtype)
 
 
-def recompute_grads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, tl: torch.Tensor, lse: torch.Tensor,
-                    valid: torch.Tensor, num_items: torch.Tensor | None, grad_loss: torch.Tensor, p: FLCEParams,
-                    group: dist.ProcessGroup | None, ent: torch.Tensor | None = None,
-                    grad_ent: torch.Tensor | None = None, need_dx: bool = True, need_dw: bool = True,
-                    loss_weights: torch.Tensor | None = None, kept: torch.Tensor | None = None):
+def recompute_grads(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    tl: torch.Tensor,
+    lse: torch.Tensor,
+    valid: torch.Tensor,
+    num_items: torch.Tensor | None,
+    grad_loss: torch.Tensor,
+    p: FLCEParams,
+    group: dist.ProcessGroup | None,
+    ent: torch.Tensor | None = None,
+    grad_ent: torch.Tensor | None = None,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    loss_weights: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+):
     """The recompute strategy's backward: (dX of this rank's rows, dW, db in the weight's dtype;
     None for a gradient not needed). ``x``: this rank's hidden under sequence parallelism
     (all-gathered here again: one more all-gather, instead of keeping [P n, H] between forward and

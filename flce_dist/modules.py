@@ -11,8 +11,8 @@ from torch import nn
 
 from .api import _LOGPROB_REFUSED, NON_OPTIONS, _num_items, fused_linear_cross_entropy, logprobs_and_entropy
 from .distributed import CopyToGroup, group_rank, group_size, vocab_shard
-from .distributed.shard import local_rows
 from .distributed.dtensor import chunk_span, from_local, is_dtensor, sharded_placements
+from .distributed.shard import local_rows
 from .options import LossOptions
 
 
@@ -20,24 +20,41 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     """Loss module: ``forward(hidden, weight, target, bias=None)``; options as in
     :func:`fused_linear_cross_entropy` (``ignore_index``, ``reduction``, ``group``, ...)."""
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", group: dist.ProcessGroup | None = None,
-                 **options: Any) -> None:
+    def __init__(
+        self, ignore_index: int = -100, reduction: str = "mean", group: dist.ProcessGroup | None = None, **options: Any
+    ) -> None:
         super().__init__()
         self.ignore_index, self.reduction, self.group, self.options = ignore_index, reduction, group, options
         # validate options eagerly so that a typo or a bad value fails at construction
         allowed = set(LossOptions.keywords()) | (set(NON_OPTIONS) - {"hidden", "weight", "target", "bias", "group"})
         unknown = set(options) - allowed
         if unknown:
-            raise TypeError(f"unknown option(s) for FusedLinearCrossEntropyLoss: {sorted(unknown)} "
-                            f"(allowed: {sorted(allowed)})")
-        LossOptions(ignore_index=ignore_index, reduction=reduction,
-                    **{k: v for k, v in options.items() if k in LossOptions.keywords()})
+            raise TypeError(
+                f"unknown option(s) for FusedLinearCrossEntropyLoss: {sorted(unknown)} (allowed: {sorted(allowed)})"
+            )
+        LossOptions(
+            ignore_index=ignore_index,
+            reduction=reduction,
+            **{k: v for k, v in options.items() if k in LossOptions.keywords()},
+        )
         if options.get("num_items_in_batch") is not None:
             _num_items(options["num_items_in_batch"], torch.device("cpu"))
 
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                bias: torch.Tensor | None = None, **overrides: Any):
-        kw = {"ignore_index": self.ignore_index, "reduction": self.reduction, "group": self.group, **self.options, **overrides}
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        **overrides: Any,
+    ):
+        kw = {
+            "ignore_index": self.ignore_index,
+            "reduction": self.reduction,
+            "group": self.group,
+            **self.options,
+            **overrides,
+        }
         return fused_linear_cross_entropy(hidden, weight, target, bias=bias, **kw)
 
     def extra_repr(self) -> str:
@@ -65,7 +82,7 @@ def uniform_rows_(out: torch.Tensor, start: int, total_rows: int, bound: float) 
         block = torch.empty((r1 - r0, *out.shape[1:]), dtype=torch.float32).uniform_(-bound, bound)
         lo, hi = max(r0, start), min(r1, end)
         if lo < hi:
-            out[lo - start:hi - start].copy_(block[lo - r0:hi - r0])
+            out[lo - start : hi - start].copy_(block[lo - r0 : hi - r0])
     return out
 
 
@@ -108,9 +125,19 @@ class VocabParallelLMHead(nn.Module):
     vocab-parallel loss that reduces over the group).
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, group: dist.ProcessGroup | None = None, bias: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None, *,
-                 mesh: Any = None, mesh_dim: int | str | None = None, **loss_options: Any) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        group: dist.ProcessGroup | None = None,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        mesh: Any = None,
+        mesh_dim: int | str | None = None,
+        **loss_options: Any,
+    ) -> None:
         super().__init__()
         if hidden_size < 1 or vocab_size < 1:
             raise ValueError(f"hidden_size and vocab_size must be >= 1, got {hidden_size}, {vocab_size}")
@@ -121,9 +148,14 @@ class VocabParallelLMHead(nn.Module):
                 raise ValueError("pass either group or mesh, not both (the mesh dim names the group)")
             names = mesh.mesh_dim_names or ()
             if mesh_dim is None and mesh.ndim != 1:
-                raise ValueError(f"mesh_dim is required on a {mesh.ndim}-D mesh (one of {names or tuple(range(mesh.ndim))})")
-            d = 0 if mesh_dim is None else (names.index(mesh_dim) if isinstance(mesh_dim, str) and mesh_dim in names
-                                            else mesh_dim)
+                raise ValueError(
+                    f"mesh_dim is required on a {mesh.ndim}-D mesh (one of {names or tuple(range(mesh.ndim))})"
+                )
+            d = (
+                0
+                if mesh_dim is None
+                else (names.index(mesh_dim) if isinstance(mesh_dim, str) and mesh_dim in names else mesh_dim)
+            )
             if not isinstance(d, int) or not 0 <= d < mesh.ndim:
                 raise ValueError(f"mesh_dim must be an index in [0, {mesh.ndim}) or one of {names}, got {mesh_dim!r}")
             self.mesh_dim, p, r, self.group = d, mesh.size(d), mesh.get_local_rank(d), mesh.get_group(d)
@@ -141,8 +173,9 @@ class VocabParallelLMHead(nn.Module):
         if self.mesh is None:
             return local
         assert self.mesh_dim is not None  # set with the mesh
-        return from_local(local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, 0),
-                          (self.vocab_size, *local.shape[1:]))
+        return from_local(
+            local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, 0), (self.vocab_size, *local.shape[1:])
+        )
 
     @staticmethod
     def _local(t: torch.Tensor) -> torch.Tensor:
@@ -174,9 +207,11 @@ class VocabParallelLMHead(nn.Module):
             if tuple(local.shape) == tuple(value.shape):  # replicated: the full tensor
                 local = local[s:e]
             elif not _same_chunk_rows(value, self.shard):
-                raise ValueError(f"{name}: the DTensor's rows on this rank are not this head's rows {self.shard} "
-                                 f"(placements {tuple(value.placements)}); load a DTensor of the same split, the "
-                                 "full tensor, or this rank's rows")
+                raise ValueError(
+                    f"{name}: the DTensor's rows on this rank are not this head's rows {self.shard} "
+                    f"(placements {tuple(value.placements)}); load a DTensor of the same split, the "
+                    "full tensor, or this rank's rows"
+                )
             value = local
         else:
             value = local_rows(value, self.vocab_size, self.shard, local_shape)
@@ -186,8 +221,13 @@ class VocabParallelLMHead(nn.Module):
         if target is not None:
             if self.mesh is not None:  # DTensor parameters: the layout comes from them
                 return self.loss(hidden, self.weight, target, self.bias, **overrides)
-            return self.loss(hidden, self.weight, target, self.bias,
-                             **{"vocab_start": self.shard[0], "vocab_size": self.vocab_size, **overrides})
+            return self.loss(
+                hidden,
+                self.weight,
+                target,
+                self.bias,
+                **{"vocab_start": self.shard[0], "vocab_size": self.vocab_size, **overrides},
+            )
         if overrides:
             raise TypeError(f"loss options {sorted(overrides)} go with a target; forward(hidden) returns logits")
         return self._logits(hidden)
@@ -195,8 +235,10 @@ class VocabParallelLMHead(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's logits; hidden's gradient all-reduced over the group (class docstring)."""
         if self.loss.options.get("sequence_parallel"):
-            raise ValueError("forward(hidden) without a target needs the replicated hidden of every token; this "
-                             "head has sequence_parallel=True: all-gather hidden over the group first")
+            raise ValueError(
+                "forward(hidden) without a target needs the replicated hidden of every token; this "
+                "head has sequence_parallel=True: all-gather hidden over the group first"
+            )
         if self.mesh is None:
             x = hidden if group_size(self.group) == 1 else CopyToGroup.apply(hidden, self.group)
             return nn.functional.linear(x, self.weight, self.bias)
@@ -211,11 +253,16 @@ class VocabParallelLMHead(nn.Module):
         assert self.mesh_dim is not None  # set with the mesh
         x = CopyToGroup.apply(hidden, self.group)
         local = nn.functional.linear(x, self._local(self.weight), None if self.bias is None else self._local(self.bias))
-        return from_local(local, self.mesh, sharded_placements(self.mesh, self.mesh_dim, local.dim() - 1),
-                          (*local.shape[:-1], self.vocab_size))
+        return from_local(
+            local,
+            self.mesh,
+            sharded_placements(self.mesh, self.mesh_dim, local.dim() - 1),
+            (*local.shape[:-1], self.vocab_size),
+        )
 
-    def logprobs_and_entropy(self, hidden: torch.Tensor, target: torch.Tensor, temperature: float | None = None,
-                             **overrides: Any):
+    def logprobs_and_entropy(
+        self, hidden: torch.Tensor, target: torch.Tensor, temperature: float | None = None, **overrides: Any
+    ):
         """``(logp, entropy)`` per token, both differentiable (see :func:`flce_dist.logprobs_and_entropy`),
         over the global vocabulary with this head's group or mesh and the loss's logits ``y =
         softcap(z) / temperature``. ``temperature`` (None: the head's ``loss_options`` value, else
@@ -240,9 +287,11 @@ class VocabParallelLMHead(nn.Module):
                 kw.pop(name, None)
             elif name in kw and name not in overrides:
                 if kw[name] != default:
-                    raise ValueError(f"VocabParallelLMHead.logprobs_and_entropy: the head's loss_options set "
-                                     f"{name}={kw[name]!r}, which log-probabilities cannot include; pass "
-                                     f"{name}={default!r} to compute them without it")
+                    raise ValueError(
+                        f"VocabParallelLMHead.logprobs_and_entropy: the head's loss_options set "
+                        f"{name}={kw[name]!r}, which log-probabilities cannot include; pass "
+                        f"{name}={default!r} to compute them without it"
+                    )
                 kw.pop(name)
         kw.update(overrides)  # a refused option still here: the functional API's TypeError names it
         if self.mesh is None:
@@ -251,14 +300,23 @@ class VocabParallelLMHead(nn.Module):
 
     def extra_repr(self) -> str:
         where = f", mesh_dim={self.mesh_dim}" if self.mesh is not None else ""
-        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, shard={self.shard}, "
-                f"bias={self.bias is not None}{where}")
+        return (
+            f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, shard={self.shard}, "
+            f"bias={self.bias is not None}{where}"
+        )
 
 
 # the value of each option logprobs_and_entropy refuses at which it changes nothing
-LOGPROB_NEUTRAL = {"reduction": "none", "label_smoothing": 0.0, "z_loss": 0.0, "return_lse": False,
-                   "return_token_accuracy": False, "return_entropy": True, "num_items_in_batch": None,
-                   "strategy": "auto"}
+LOGPROB_NEUTRAL = {
+    "reduction": "none",
+    "label_smoothing": 0.0,
+    "z_loss": 0.0,
+    "return_lse": False,
+    "return_token_accuracy": False,
+    "return_entropy": True,
+    "num_items_in_batch": None,
+    "strategy": "auto",
+}
 
 
 def _same_chunk_rows(value: Any, shard: tuple[int, int]) -> bool:

@@ -20,8 +20,9 @@ import ast
 import dataclasses
 import math
 import numbers
-from functools import lru_cache
-from typing import Any, Callable
+from collections.abc import Callable
+from functools import cache, lru_cache
+from typing import Any
 
 from .settings import Settings
 
@@ -54,6 +55,7 @@ def _choice(*allowed: str) -> Callable[[str, Any], str]:
         if v not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {v!r}")
         return v
+
     return check
 
 
@@ -65,6 +67,7 @@ def _in(lo: float, hi: float | None, *, lo_open: bool = False, hi_open: bool = T
             lb, rb = "(" if lo_open else "[", ")" if hi_open or hi is None else "]"
             raise ValueError(f"{name} must be in {lb}{lo}, {'inf' if hi is None else hi}{rb}, got {v}")
         return v
+
     return check
 
 
@@ -94,45 +97,77 @@ class LossOptions:
     """The options of one loss call (see the option table in docs/api.md; ``doc`` of each field)."""
 
     ignore_index: int = option(-100, _int, "targets equal to it give loss 0 and no gradient")
-    reduction: str = option("mean", _choice("mean", "sum", "none"),
-                            "'mean' (over non-ignored tokens, or num_items_in_batch), 'sum', 'none' (per token)", "call")
+    reduction: str = option(
+        "mean",
+        _choice("mean", "sum", "none"),
+        "'mean' (over non-ignored tokens, or num_items_in_batch), 'sum', 'none' (per token)",
+        "call",
+    )
     label_smoothing: float = option(0.0, _in(0.0, 1.0), "loss = lse - (1-eps) y_t - eps/V sum_v y_v (V global)")
     z_loss: float = option(0.0, _in(0.0, None), "adds z_loss * lse**2 per token")
     softcap: float | None = option(None, _softcap, "logits become c * tanh(z / c) (the model's final logits)")
-    temperature: float = option(1.0, _in(0.0, None, lo_open=True), "the final (softcapped) logits are divided by "
-                                "it, as a sampler does: y = softcap(z) / temperature")
-    sequence_parallel: bool = option(False, _bool, "hidden/target are this rank's token slice (all-gathered in, "
-                                     "dX reduce-scattered out)", "call")
-    partial_dx: bool = option(False, _bool, "the hidden gradient is this rank's partial dz_r @ W_r (no dX all-reduce; "
-                              "its sum over the group is dX), for a caller that reduces it itself; not with "
-                              "sequence_parallel or a DTensor hidden", "call")
-    strategy: str = option("auto", _choice("auto", "fused", "recompute"),
-                           "'fused' (gradient formed in the forward), 'recompute', or 'auto'")
+    temperature: float = option(
+        1.0,
+        _in(0.0, None, lo_open=True),
+        "the final (softcapped) logits are divided by it, as a sampler does: y = softcap(z) / temperature",
+    )
+    sequence_parallel: bool = option(
+        False, _bool, "hidden/target are this rank's token slice (all-gathered in, dX reduce-scattered out)", "call"
+    )
+    partial_dx: bool = option(
+        False,
+        _bool,
+        "the hidden gradient is this rank's partial dz_r @ W_r (no dX all-reduce; "
+        "its sum over the group is dX), for a caller that reduces it itself; not with "
+        "sequence_parallel or a DTensor hidden",
+        "call",
+    )
+    strategy: str = option(
+        "auto",
+        _choice("auto", "fused", "recompute"),
+        "'fused' (gradient formed in the forward), 'recompute', or 'auto'",
+    )
     deterministic: bool = option(False, _bool, "bitwise reproducible dX sums across ranks (rank-ordered)")
     grad_filter_eps: float | str | None = option(
-        None, _filter_eps, "opt-in gradient filter: (token x vocab) blocks whose every |dL/dz| is below eps times "
+        None,
+        _filter_eps,
+        "opt-in gradient filter: (token x vocab) blocks whose every |dL/dz| is below eps times "
         "the row's gradient weight are skipped in the dX and dW matmuls (on the shard sorted by mean logit; the loss "
         "stays exact; W read through the order, no copy: Settings.filter_order); 'auto': 2**-12 "
-        "for 16-bit inputs, CCE's default (none for 32/64-bit); None: exact")
+        "for 16-bit inputs, CCE's default (none for 32/64-bit); None: exact",
+    )
     return_lse: bool = option(False, _bool, "also return the global per-token lse", "output")
     return_token_accuracy: bool = option(False, _bool, "also return per-token target == argmax (bool)", "output")
-    return_entropy: bool = option(False, _bool, "also return the per-token entropy of the (temperature-scaled, "
-                                  "softcapped) softmax over the global vocabulary, with its gradient (0 for "
-                                  "ignored tokens); needs the recompute strategy's backward", "call")
+    return_entropy: bool = option(
+        False,
+        _bool,
+        "also return the per-token entropy of the (temperature-scaled, "
+        "softcapped) softmax over the global vocabulary, with its gradient (0 for "
+        "ignored tokens); needs the recompute strategy's backward",
+        "call",
+    )
     check_finite: bool = option(False, _bool, "raise FloatingPointError if the loss is not finite (a host sync)")
-    check_inputs: bool = option(False, _bool, "debugging, with a group: every call also compares a checksum of 16 "
-                                "sampled rows of hidden across the ranks (a few more small kernels per call; "
-                                "docs/guarantees.md)")
+    check_inputs: bool = option(
+        False,
+        _bool,
+        "debugging, with a group: every call also compares a checksum of 16 "
+        "sampled rows of hidden across the ranks (a few more small kernels per call; "
+        "docs/guarantees.md)",
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, f.metadata["check"](f.name, getattr(self, f.name)))
         if self.partial_dx and self.sequence_parallel:
-            raise ValueError("partial_dx=True cannot be combined with sequence_parallel=True: the sequence-parallel "
-                             "dX is reduce-scattered to this rank's tokens (there is no partial of them to hand back)")
+            raise ValueError(
+                "partial_dx=True cannot be combined with sequence_parallel=True: the sequence-parallel "
+                "dX is reduce-scattered to this rank's tokens (there is no partial of them to hand back)"
+            )
         if self.grad_filter_eps is not None and self.label_smoothing > 0:
-            raise ValueError("grad_filter_eps cannot be combined with label_smoothing: the smoothing's uniform "
-                             "-eps/V gradient on every logit is below any filter threshold and would be dropped")
+            raise ValueError(
+                "grad_filter_eps cannot be combined with label_smoothing: the smoothing's uniform "
+                "-eps/V gradient on every logit is below any filter threshold and would be dropped"
+            )
 
     @classmethod
     def keywords(cls, *kinds: str) -> tuple[str, ...]:
@@ -146,7 +181,7 @@ class LossOptions:
         if unknown:
             raise TypeError(f"{where}: unknown loss option(s) {sorted(unknown)}; allowed: {list(allowed)}")
 
-    def replace(self, **changes: Any) -> "LossOptions":
+    def replace(self, **changes: Any) -> LossOptions:
         """A copy with ``changes`` (validated); ``self`` when nothing changes (no re-validation on the
         per-call path: the API replaces the strategy and sequence_parallel on every call)."""
         if all(type(v) is type(getattr(self, k, None)) and getattr(self, k) == v for k, v in changes.items()):
@@ -185,7 +220,7 @@ class LossOptions:
         return float(self.grad_filter_eps)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _keywords(cls: type, kinds: tuple[str, ...]) -> tuple[str, ...]:
     # cached: signature() asks for them on every call
     return tuple(f.name for f in dataclasses.fields(cls) if not kinds or f.metadata["kind"] in kinds)
@@ -218,8 +253,9 @@ class FLCEParams:
         return value
 
     @staticmethod
-    def encode(vocab_start: int, vocab_size: int, options: LossOptions, settings: Settings,
-               stale_layout: bool = False) -> str:
+    def encode(
+        vocab_start: int, vocab_size: int, options: LossOptions, settings: Settings, stale_layout: bool = False
+    ) -> str:
         """The one string the ``torch.compile`` custom ops carry instead of positional options: the
         ``repr`` of plain values, built without making an FLCEParams, so that TorchDynamo folds it to
         a constant while tracing (it cannot trace ``json``, nor wrap some dataclass objects)."""
@@ -228,7 +264,7 @@ class FLCEParams:
 
     @staticmethod
     @lru_cache(maxsize=256)
-    def decode(text: str) -> "FLCEParams":
+    def decode(text: str) -> FLCEParams:
         start, vocab, opts, settings, stale = ast.literal_eval(text)
         return FLCEParams(start, vocab, LossOptions(*opts), Settings(*settings), stale)
 

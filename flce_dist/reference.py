@@ -10,8 +10,14 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     softcap: float | None = None, temperature: float = 1.0) -> torch.Tensor:
+def reference_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """``y = softcap(z) / temperature`` with ``z = hidden @ weight.T (+ bias)`` and ``softcap(z) =
     c * tanh(z / c)``: the model's final logits divided by the temperature, as a sampler does."""
     z = F.linear(hidden, weight, bias)
@@ -20,11 +26,22 @@ def reference_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return z / temperature
 
 
-def reference_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                   bias: torch.Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
-                   num_items_in_batch: int | torch.Tensor | None = None, label_smoothing: float = 0.0,
-                   z_loss: float = 0.0, softcap: float | None = None, temperature: float = 1.0,
-                   return_lse: bool = False, loss_weights: torch.Tensor | None = None):
+def reference_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    return_lse: bool = False,
+    loss_weights: torch.Tensor | None = None,
+):
     """Cross entropy of ``hidden @ weight.T (+ bias)`` (logits materialised, computed in the
     inputs' dtype). Mean divides by the non-ignored count (or ``num_items_in_batch``); an all-ignored
     batch gives 0, not NaN. ``loss_weights`` (shaped like target): ``"sum"`` / ``"mean"`` reduce
@@ -32,14 +49,31 @@ def reference_loss(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     ``num_items_in_batch``; ``"none"`` returns the unweighted losses."""
     h = hidden.reshape(-1, hidden.shape[-1])
     z = reference_logits(h, weight, bias, softcap=softcap, temperature=temperature)
-    return loss_from_logits(z, target, ignore_index=ignore_index, reduction=reduction,
-                            num_items_in_batch=num_items_in_batch, label_smoothing=label_smoothing, z_loss=z_loss,
-                            return_lse=return_lse, loss_weights=loss_weights)
+    return loss_from_logits(
+        z,
+        target,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        return_lse=return_lse,
+        loss_weights=loss_weights,
+    )
 
 
-def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int = -100, reduction: str = "mean",
-                     num_items_in_batch: int | torch.Tensor | None = None, label_smoothing: float = 0.0,
-                     z_loss: float = 0.0, return_lse: bool = False, loss_weights: torch.Tensor | None = None):
+def loss_from_logits(
+    z: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    return_lse: bool = False,
+    loss_weights: torch.Tensor | None = None,
+):
     """The loss of ``reference_loss`` from already transformed logits ``z [N, V]``."""
     t = target.reshape(-1)
     lse = torch.logsumexp(z, dim=-1)
@@ -67,9 +101,16 @@ def loss_from_logits(z: torch.Tensor, target: torch.Tensor, *, ignore_index: int
     return (out, lse.reshape(target.shape)) if return_lse else out
 
 
-def reference_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                                   bias: torch.Tensor | None = None, ignore_index: int = -100,
-                                   softcap: float | None = None, temperature: float = 1.0):
+def reference_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+):
     """``(logp, entropy)`` per token from the full logits (what :func:`flce_dist.logprobs_and_entropy`
     promises): ``log softmax(y)[target]`` and ``-sum_v p_v log p_v``, both 0 at ``ignore_index``, with
     ``y = softcap(z) / temperature`` (``reference_logits``: the loss's transform too)."""

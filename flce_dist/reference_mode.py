@@ -80,6 +80,7 @@ def _switch_made_kernels() -> None:
     if "helion" not in sys.modules:
         return  # no kernel made yet
     from ._helion_compat import helion
+
     from helion.runtime.kernel import Kernel
 
     prefix = __name__.rsplit(".", 1)[0] + ".kernels."

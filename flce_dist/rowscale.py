@@ -59,8 +59,15 @@ def applies(dtype: torch.dtype, has_bias: bool, p: FLCEParams, helion_logits: bo
     gradients do not factor per row), no gradient filter (it needs the dz blocks' magnitudes), and
     ``Settings(grad_form="rowscale")`` (the default). The same on every rank of a group (the chunk
     plan counts the form's buffers); a rank with an empty shard or batch still skips the form."""
-    return (helion_logits and p.settings.grad_form == "rowscale" and dtype in (torch.bfloat16, torch.float32)
-            and not has_bias and p.cap == 0 and p.label_smoothing == 0 and not filtered)
+    return (
+        helion_logits
+        and p.settings.grad_form == "rowscale"
+        and dtype in (torch.bfloat16, torch.float32)
+        and not has_bias
+        and p.cap == 0
+        and p.label_smoothing == 0
+        and not filtered
+    )
 
 
 def row_bytes(h: int, dtype: torch.dtype) -> int:
@@ -80,8 +87,15 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: float) -> torch.Tensor:
     return r if scale == 1.0 else r.mul_(scale)
 
 
-def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Tensor, tl: torch.Tensor,
-             g: torch.Tensor, p: FLCEParams) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_(
+    e: torch.Tensor,
+    local: torch.Tensor,
+    st: torch.Tensor,
+    r: torch.Tensor,
+    tl: torch.Tensor,
+    g: torch.Tensor,
+    p: FLCEParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For one chunk after its statistics all-gather: writes the target entries E'_it into ``e``
     (the stored exponentials [Nc, V]) and returns ``(c, gate)``: the row scales [Nc] float32 and the
     fallback gate [1] int32 (1 where some row is outside the bounds above; c is then 1 in every row,
@@ -93,13 +107,21 @@ def prepare_(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Te
 
     if launch.degenerate(*e.shape):
         return prepare_reference(e, local, st, r, tl, g, p)
-    c, gate = launch.row_prepare(e, local, st, r, tl, g, p.logit_scale, 2.0 * p.z_loss, MAX_SPREAD, MIN_C, MAX_TARGET,
-                                 p.settings)
+    c, gate = launch.row_prepare(
+        e, local, st, r, tl, g, p.logit_scale, 2.0 * p.z_loss, MAX_SPREAD, MIN_C, MAX_TARGET, p.settings
+    )
     return c.masked_fill_(gate != 0, 1.0), gate  # c = 1 where the gate is open (in place: no ones_like, no where)
 
 
-def prepare_reference(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Tensor, tl: torch.Tensor,
-                      g: torch.Tensor, p: FLCEParams) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_reference(
+    e: torch.Tensor,
+    local: torch.Tensor,
+    st: torch.Tensor,
+    r: torch.Tensor,
+    tl: torch.Tensor,
+    g: torch.Tensor,
+    p: FLCEParams,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``prepare_`` in torch (``kernels/row_prepare.py``'s math)."""
     lse, yt, m = st[:, 0], st[:, 1], local[:, 3]
     d = yt - lse  # log p_t

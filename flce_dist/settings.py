@@ -56,7 +56,8 @@ import contextvars
 import dataclasses
 import os
 import threading
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -100,7 +101,7 @@ class Settings:
     def block_overrides(self, kernel: str) -> dict[str, int]:
         return dict(next((v for k, v in self.blocks if k == kernel), ()))
 
-    def replace(self, **changes: Any) -> "Settings":
+    def replace(self, **changes: Any) -> Settings:
         if "blocks" in changes:  # merged per kernel with the current overrides
             merged = {k: dict(v) for k, v in self.blocks}
             for k, v in (changes["blocks"] or {}).items():
@@ -110,18 +111,27 @@ class Settings:
 
     def astuple(self) -> tuple:
         """Plain values in field order (``Settings(*s.astuple()) == s``)."""
-        return (self.chunk_bytes, self.logits_backend, self.blocks, self.config_dir, self.grad_form,
-                self.dw_accumulate, self.filter_order)
+        return (
+            self.chunk_bytes,
+            self.logits_backend,
+            self.blocks,
+            self.config_dir,
+            self.grad_form,
+            self.dw_accumulate,
+            self.filter_order,
+        )
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         """The documented environment defaults (benchmarks): FLCE_CHUNK_MB, FLCE_FUSED_LOGITS, FLCE_CONFIG_DIR,
         FLCE_GRAD_FORM, read now (``current()`` reads them once: see ``reload_env``)."""
         mb = os.environ.get("FLCE_CHUNK_MB")
-        return cls(chunk_bytes=int(mb) << 20 if mb else None,
-                   logits_backend=os.environ.get("FLCE_FUSED_LOGITS", "helion"),
-                   config_dir=os.environ.get("FLCE_CONFIG_DIR") or None,
-                   grad_form=os.environ.get("FLCE_GRAD_FORM", "rowscale"))
+        return cls(
+            chunk_bytes=int(mb) << 20 if mb else None,
+            logits_backend=os.environ.get("FLCE_FUSED_LOGITS", "helion"),
+            config_dir=os.environ.get("FLCE_CONFIG_DIR") or None,
+            grad_form=os.environ.get("FLCE_GRAD_FORM", "rowscale"),
+        )
 
 
 # The ``override`` blocks of each context, innermost last: a ContextVar, so that threads and asyncio
@@ -155,10 +165,17 @@ def current() -> Settings:
 
 
 @contextlib.contextmanager
-def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_bytes: int | None = None,
-             fused_logits: str | None = None, logits_backend: str | None = None,
-             config_dir: str | None = None, grad_form: str | None = None,
-             dw_accumulate: str | None = None, filter_order: str | None = None) -> Iterator[Settings]:
+def override(
+    *,
+    blocks: Mapping[str, Mapping[str, int]] | None = None,
+    chunk_bytes: int | None = None,
+    fused_logits: str | None = None,
+    logits_backend: str | None = None,
+    config_dir: str | None = None,
+    grad_form: str | None = None,
+    dw_accumulate: str | None = None,
+    filter_order: str | None = None,
+) -> Iterator[Settings]:
     """Within the block, calls without ``settings=`` use the current settings with these changes
     (``blocks`` merged per kernel; ``fused_logits`` is the older name of ``logits_backend``)."""
     changes: dict[str, Any] = {}
@@ -191,4 +208,4 @@ def override(*, blocks: Mapping[str, Mapping[str, int]] | None = None, chunk_byt
 
 def _drop(stack: tuple[Settings, ...], entry: Settings) -> tuple[Settings, ...]:
     i = max((j for j, s in enumerate(stack) if s is entry), default=None)
-    return stack if i is None else stack[:i] + stack[i + 1:]
+    return stack if i is None else stack[:i] + stack[i + 1 :]

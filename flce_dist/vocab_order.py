@@ -38,8 +38,9 @@ class VocabOrder:
     perm32: torch.Tensor  # [V_r] int32: ``perm`` for the kernels that read or write through it
 
     @classmethod
-    def by_mean_logit(cls, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                      row_weight: torch.Tensor) -> VocabOrder:
+    def by_mean_logit(
+        cls, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, row_weight: torch.Tensor
+    ) -> VocabOrder:
         """Rows of ``w`` by descending ``row_weight``-weighted mean logit over the rows of ``x``."""
         rw = row_weight.to(x.dtype)
         score = torch.mv(w, torch.mv(x.T, rw)).float()
@@ -67,4 +68,4 @@ class VocabOrder:
 
     def put(self, out: torch.Tensor, start: int, rows: torch.Tensor) -> None:
         """Write sorted positions ``[start, start + len(rows))`` of a gradient into ``out`` (shard order)."""
-        out.index_copy_(0, self.perm[start:start + rows.shape[0]], rows)
+        out.index_copy_(0, self.perm[start : start + rows.shape[0]], rows)

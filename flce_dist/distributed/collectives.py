@@ -38,8 +38,9 @@ def _ordered_sum(parts: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def combine_stats(stats: torch.Tensor, group: dist.ProcessGroup | None,
-                  guard: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def combine_stats(
+    stats: torch.Tensor, group: dist.ProcessGroup | None, guard: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Merge per-rank ``[N, 4]`` stats ``(lse_r, target_logit_r, sum_logits_r, max_logit_r)`` into
     the global ``(lse, target_logit, sum_logits, max_logit)`` with ONE all-gather (16·P·N bytes)
     and a local logsumexp / sum / max. ``[N, 5]`` stats carry the shard's softmax entropy ``H_r``
@@ -199,4 +200,4 @@ class GatherVocab(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad[..., ctx.start:ctx.end].contiguous(), None, None, None, None
+        return grad[..., ctx.start : ctx.end].contiguous(), None, None, None, None

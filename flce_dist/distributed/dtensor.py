@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -85,12 +86,12 @@ def sharded_placements(mesh, mesh_dim: int, tensor_dim: int) -> list[Placement]:
 class LocalCall:
     """Local tensors and the layout facts the loss needs, plus how to wrap per-token outputs."""
 
-    hidden: torch.Tensor          # [..., H] local (padded under uneven sequence parallelism)
-    weight: torch.Tensor          # [V_r, H] local rows
+    hidden: torch.Tensor  # [..., H] local (padded under uneven sequence parallelism)
+    weight: torch.Tensor  # [V_r, H] local rows
     bias: torch.Tensor | None
-    target: torch.Tensor          # local leading shape of ``hidden``
+    target: torch.Tensor  # local leading shape of ``hidden``
     group: dist.ProcessGroup | None
-    vocab_size: int | None        # the DTensor's global V, checked against the resolved shards
+    vocab_size: int | None  # the DTensor's global V, checked against the resolved shards
     sequence_parallel: bool
     wrap_tokens: Callable[[torch.Tensor], torch.Tensor]  # [N_padded] per-token -> output tensor
 
@@ -106,16 +107,26 @@ def _weight_layout(weight) -> int | None:
         elif not isinstance(pl, Replicate):
             raise ValueError(
                 f"weight must be a DTensor placed Shard(0) on one mesh dim and Replicate() on the others, got "
-                f"{tuple(weight.placements)} on mesh dims {mesh.mesh_dim_names or tuple(range(mesh.ndim))}")
+                f"{tuple(weight.placements)} on mesh dims {mesh.mesh_dim_names or tuple(range(mesh.ndim))}"
+            )
     if len(dims) > 1:
-        raise ValueError(f"weight is sharded on the vocab dim over several mesh dims {dims}: shard it over one "
-                         f"(the tensor-parallel dim) and replicate it over the others, got {tuple(weight.placements)}")
+        raise ValueError(
+            f"weight is sharded on the vocab dim over several mesh dims {dims}: shard it over one "
+            f"(the tensor-parallel dim) and replicate it over the others, got {tuple(weight.placements)}"
+        )
     return dims[0] if dims else None
 
 
-def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-           group: dist.ProcessGroup | None, vocab_start: int | None, sequence_parallel: bool,
-           ignore_index: int) -> LocalCall:
+def unwrap(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    vocab_start: int | None,
+    sequence_parallel: bool,
+    ignore_index: int,
+) -> LocalCall:
     """Resolve a call with DTensor ``weight`` (and optionally ``hidden``/``bias``/``target``) into
     local tensors, the tensor-parallel group, and an output wrapper. See the module docstring."""
     from torch.distributed.tensor import Replicate, Shard
@@ -123,26 +134,39 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
     if not is_dtensor(weight):
         for name, t in (("hidden", hidden), ("bias", bias), ("target", target)):
             if is_dtensor(t):
-                raise TypeError(f"{name} is a DTensor but weight is not: pass weight as a DTensor placed Shard(0) "
-                                f"on the tensor-parallel mesh dim (the group comes from its mesh)")
+                raise TypeError(
+                    f"{name} is a DTensor but weight is not: pass weight as a DTensor placed Shard(0) "
+                    f"on the tensor-parallel mesh dim (the group comes from its mesh)"
+                )
         raise AssertionError("unwrap() called without a DTensor")  # api.py only calls it with one
     mesh = weight.device_mesh
     d = _weight_layout(weight)
     tp_group = None if d is None else mesh.get_group(d)
     if group is not None and group is not tp_group:
-        raise ValueError("group must be None when weight is a DTensor: the group is the mesh dim on which weight is "
-                         "Shard(0)" + ("" if d is None else f" (mesh dim {_dim_name(mesh, d)})"))
+        raise ValueError(
+            "group must be None when weight is a DTensor: the group is the mesh dim on which weight is "
+            "Shard(0)" + ("" if d is None else f" (mesh dim {_dim_name(mesh, d)})")
+        )
     if vocab_start is not None:
-        raise ValueError("vocab_start must be None when weight is a DTensor: each rank's start comes from the shard "
-                         "sizes along the mesh")
+        raise ValueError(
+            "vocab_start must be None when weight is a DTensor: each rank's start comes from the shard "
+            "sizes along the mesh"
+        )
     w_local = weight.to_local()
     b_local = None
     if bias is not None:
         if not is_dtensor(bias) or bias.device_mesh != mesh or tuple(bias.placements) != tuple(weight.placements):
-            got = (f"{tuple(bias.placements)} on another mesh" if is_dtensor(bias) and bias.device_mesh != mesh
-                   else tuple(bias.placements) if is_dtensor(bias) else "a plain tensor")
-            raise ValueError(f"bias must be a DTensor on weight's mesh with weight's placements "
-                             f"{tuple(weight.placements)}, got {got}")
+            got = (
+                f"{tuple(bias.placements)} on another mesh"
+                if is_dtensor(bias) and bias.device_mesh != mesh
+                else tuple(bias.placements)
+                if is_dtensor(bias)
+                else "a plain tensor"
+            )
+            raise ValueError(
+                f"bias must be a DTensor on weight's mesh with weight's placements "
+                f"{tuple(weight.placements)}, got {got}"
+            )
         b_local = bias.to_local()
     p = 1 if d is None else mesh.size(d)
     rank = 0 if d is None else mesh.get_local_rank(d)
@@ -150,8 +174,9 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
     if not is_dtensor(hidden):
         if is_dtensor(target):
             raise TypeError("target is a DTensor but hidden is not: pass both as DTensors, or both as plain tensors")
-        return LocalCall(hidden, w_local, b_local, target, tp_group, weight.shape[0], bool(sequence_parallel),
-                         lambda t: t)
+        return LocalCall(
+            hidden, w_local, b_local, target, tp_group, weight.shape[0], bool(sequence_parallel), lambda t: t
+        )
 
     # ---- hidden is a DTensor: sequence parallelism from its placement
     if hidden.device_mesh != mesh:
@@ -165,10 +190,13 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
             continue
         raise ValueError(
             f"hidden must be a DTensor with Replicate() on every mesh dim, or Shard(k) over a token dim k on the "
-            f"weight's sharded dim {_dim_name(mesh, d) if d is not None else '(none)'}: got {tuple(hidden.placements)}")
+            f"weight's sharded dim {_dim_name(mesh, d) if d is not None else '(none)'}: got {tuple(hidden.placements)}"
+        )
     if sequence_parallel and seq_dim is None:
-        raise ValueError("sequence_parallel=True but hidden is a replicated DTensor: sequence parallelism is taken "
-                         "from hidden's placement (Shard over a token dim)")
+        raise ValueError(
+            "sequence_parallel=True but hidden is a replicated DTensor: sequence parallelism is taken "
+            "from hidden's placement (Shard over a token dim)"
+        )
     lead_placements = [Shard(pl.dim) if isinstance(pl, Shard) else pl for pl in hidden.placements]
     global_lead = tuple(hidden.shape[:-1])
     h_local = hidden.to_local()
@@ -177,8 +205,10 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
     # target: DTensor placed like hidden, plain global shape (sliced like hidden), or plain local shape
     if is_dtensor(target):
         if target.device_mesh != mesh or tuple(target.placements) != tuple(lead_placements):
-            raise ValueError(f"target must be placed like hidden's leading dims {tuple(lead_placements)} on its mesh, "
-                             f"got {tuple(target.placements)}")
+            raise ValueError(
+                f"target must be placed like hidden's leading dims {tuple(lead_placements)} on its mesh, "
+                f"got {tuple(target.placements)}"
+            )
         t_local = target.to_local()
     elif tuple(target.shape) == global_lead:
         t_local = target
@@ -188,8 +218,10 @@ def unwrap(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bia
     elif tuple(target.shape) == local_lead:
         t_local = target
     else:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal hidden's global leading shape {global_lead} "
-                         f"or its local leading shape {local_lead}")
+        raise ValueError(
+            f"target shape {tuple(target.shape)} must equal hidden's global leading shape {global_lead} "
+            f"or its local leading shape {local_lead}"
+        )
 
     def wrap(rows: torch.Tensor) -> torch.Tensor:
         n = 1

@@ -56,12 +56,19 @@ from .shard import call_signature
 WORDS = 8
 STALE, TOKENS, TARGETS, BAD, HIDDEN, WEIGHTS = 2, 3, 4, 5, 6, 7
 # what a difference in a word most likely means (the words compared for equality)
-_FIELDS = {0: "the call (options, settings, vocabulary size, hidden size, dtype or gradient need)", 1: "the call",
-           TOKENS: "the number of tokens or the chunk plan", TARGETS: "the targets", HIDDEN: "the hidden states",
-           WEIGHTS: "loss_weights or num_items_in_batch"}
+_FIELDS = {
+    0: "the call (options, settings, vocabulary size, hidden size, dtype or gradient need)",
+    1: "the call",
+    TOKENS: "the number of tokens or the chunk plan",
+    TARGETS: "the targets",
+    HIDDEN: "the hidden states",
+    WEIGHTS: "loss_weights or num_items_in_batch",
+}
 # what a difference in a word most likely means, said after it
-_HINTS = {TARGETS: " (target holds GLOBAL vocabulary ids in [0, V), the same ids on every rank: not ids local to a "
-                   "rank's shard, and no rank subtracts its vocab_start)"}
+_HINTS = {
+    TARGETS: " (target holds GLOBAL vocabulary ids in [0, V), the same ids on every rank: not ids local to a "
+    "rank's shard, and no rank subtracts its vocab_start)"
+}
 
 
 @lru_cache(maxsize=256)
@@ -133,10 +140,21 @@ def plan_digest(x: torch.Tensor, vocab_size: int, fields: tuple) -> int:
     return call_digest(*fields, vocab_size, tuple(x.shape[1:]), str(x.dtype))
 
 
-def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_size: int, rows: int,
-               fields: tuple, *, stale: bool = False, count_bad: bool = True, check_inputs: bool = False,
-               values: torch.Tensor | None = None, digest: int | None = None, raises: bool = False
-               ) -> torch.Tensor:
+def call_guard(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    bad: torch.Tensor,
+    vocab_size: int,
+    rows: int,
+    fields: tuple,
+    *,
+    stale: bool = False,
+    count_bad: bool = True,
+    check_inputs: bool = False,
+    values: torch.Tensor | None = None,
+    digest: int | None = None,
+    raises: bool = False,
+) -> torch.Tensor:
     """This rank's ``[WORDS]`` int32 guard for a call on ``x [N, H]``, ``target [N]`` (global ids,
     int64), ``bad [N]`` (bool: the targets outside ``[0, V)`` that are not ignored, as the core marks
     them); ``fields``: what else every rank must agree on (options, settings, bias, gradient need).
@@ -149,8 +167,10 @@ def call_guard(x: torch.Tensor, target: torch.Tensor, bad: torch.Tensor, vocab_s
     argument, not a copy)."""
     sig = plan_digest(x, vocab_size, fields) if digest is None else digest
     n, dev = x.shape[0], x.device
-    parts = [_head_words(sig, int(bool(stale)) | (2 if raises else 0), dev),
-             torch.full((1,), ((n % 32768) << 16) + rows % 65536, dtype=torch.int32, device=dev)]
+    parts = [
+        _head_words(sig, int(bool(stale)) | (2 if raises else 0), dev),
+        torch.full((1,), ((n % 32768) << 16) + rows % 65536, dtype=torch.int32, device=dev),
+    ]
     if n:
         # int64 products and sums wrap identically on every rank (modular arithmetic is order-free)
         parts.append((target * _coefficients(n, dev)).sum().to(torch.int32).view(1))
@@ -204,22 +224,28 @@ def raise_if_failed(guards: torch.Tensor) -> None:
     if bool((g == g[0] * keep).all()):
         return
     differs = [w for w in _FIELDS if any(c != g[0, w] for c in g[:, w].tolist())]
-    same_call = ("every rank of a tensor-parallel group must make the same call (the same hidden and target "
-                 "without sequence parallelism)")
+    same_call = (
+        "every rank of a tensor-parallel group must make the same call (the same hidden and target "
+        "without sequence parallelism)"
+    )
     if differs and differs[0] in (0, 1):
-        raise ValueError(f"ranks {_ranks(g, differs[0])} of the group differ from rank 0 in {_FIELDS[differs[0]]}: "
-                         + same_call)
+        raise ValueError(
+            f"ranks {_ranks(g, differs[0])} of the group differ from rank 0 in {_FIELDS[differs[0]]}: " + same_call
+        )
     stale = (g[:, STALE] & 1).tolist()
     if any(stale):
-        raise ValueError(f"ranks {[r for r, s in enumerate(stale) if s]} pass another vocabulary shard (rows or "
-                         "vocab_start) than the one checked for this group and stated layout (the shard check runs "
-                         "once per group, vocab_size, vocab_start given or not, hidden size, dtype and device): pass "
-                         "vocab_size= (a new vocabulary size is a new layout), or call "
-                         "flce_dist.distributed.shard.clear_shard_cache() on every rank when the layout changes")
+        raise ValueError(
+            f"ranks {[r for r, s in enumerate(stale) if s]} pass another vocabulary shard (rows or "
+            "vocab_start) than the one checked for this group and stated layout (the shard check runs "
+            "once per group, vocab_size, vocab_start given or not, hidden size, dtype and device): pass "
+            "vocab_size= (a new vocabulary size is a new layout), or call "
+            "flce_dist.distributed.shard.clear_shard_cache() on every rank when the layout changes"
+        )
     if differs:
         w = differs[0]
-        raise ValueError(f"ranks {_ranks(g, w)} of the group differ from rank 0 in {_FIELDS[w]}{_HINTS.get(w, '')}: "
-                         + same_call)
+        raise ValueError(
+            f"ranks {_ranks(g, w)} of the group differ from rank 0 in {_FIELDS[w]}{_HINTS.get(w, '')}: " + same_call
+        )
     bad = g[:, BAD].tolist()
     raise ValueError(f"{max(bad)} target(s) outside [0, V) that are not ignore_index (counts per rank: {bad})")
 

@@ -28,7 +28,6 @@ from .collectives import all_gather_rows
 from .dtensor import chunk_span
 from .groups import group_size
 
-
 SPLITS = ("balanced", "chunk")
 
 
@@ -62,13 +61,13 @@ def local_rows(value: torch.Tensor, vocab_size: int, shard: tuple[int, int], loc
     rows of ``value`` sliced to this rank's, any other ``value`` (this rank's rows already, or a
     mismatch that ``load_state_dict`` reports) as it is."""
     if value.dim() >= 1 and value.shape[0] == vocab_size and tuple(value.shape) != tuple(local_shape):
-        return value[shard[0]:shard[1]]
+        return value[shard[0] : shard[1]]
     return value
 
 
 # checked layouts per process group, the group held weakly: a group the program drops (a test's or a
 # job's short-lived group) is not kept alive, with its backend's threads, by this cache
-_SHARD_CACHE: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, tuple]]" = weakref.WeakKeyDictionary()
+_SHARD_CACHE: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, tuple]] = weakref.WeakKeyDictionary()
 
 
 def clear_shard_cache() -> None:
@@ -78,26 +77,50 @@ def clear_shard_cache() -> None:
     agree.clear()
 
 
-_FULL_WEIGHT = ("every rank passed {v} rows, the whole vocabulary: with group= each rank passes only its own "
-                "vocabulary rows, weight[start:end] with (start, end) = flce_dist.vocab_shard(V, rank, world_size) "
-                "(the full [V, H] weight on every rank gives a loss ln({p}) too high)")
+_FULL_WEIGHT = (
+    "every rank passed {v} rows, the whole vocabulary: with group= each rank passes only its own "
+    "vocabulary rows, weight[start:end] with (start, end) = flce_dist.vocab_shard(V, rank, world_size) "
+    "(the full [V, H] weight on every rank gives a loss ln({p}) too high)"
+)
 
 
-def _handshake(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, device: str, n_tokens: int,
-               fields: tuple, vocab_size: int | None) -> tuple[int, int]:
+def _handshake(
+    group: dist.ProcessGroup,
+    v_local: int,
+    vocab_start: int | None,
+    device: str,
+    n_tokens: int,
+    fields: tuple,
+    vocab_size: int | None,
+) -> tuple[int, int]:
     # One all-gather of (start, size, tokens, call signature, stated V) per stated layout: one host
     # sync (the .cpu() of the gathered rows), never on the steady-state hot path.
-    head = torch.tensor([[-1 if vocab_start is None else vocab_start, v_local, n_tokens, call_signature(*fields),
-                          -1 if vocab_size is None else vocab_size]], dtype=torch.int64, device=device)
+    head = torch.tensor(
+        [
+            [
+                -1 if vocab_start is None else vocab_start,
+                v_local,
+                n_tokens,
+                call_signature(*fields),
+                -1 if vocab_size is None else vocab_size,
+            ]
+        ],
+        dtype=torch.int64,
+        device=device,
+    )
     world = dist.get_world_size(group)
     rows = all_gather_rows(head, group).cpu().tolist()
     if any(r[2] >= 0 for r in rows) and any(r[2] != rows[0][2] for r in rows):  # -1: not known (traced)
-        raise ValueError(f"ranks disagree on the number of tokens in hidden: {[r[2] for r in rows]} per rank "
-                         "(every rank of the group must pass the same tokens, or equal slices with sequence_parallel)")
+        raise ValueError(
+            f"ranks disagree on the number of tokens in hidden: {[r[2] for r in rows]} per rank "
+            "(every rank of the group must pass the same tokens, or equal slices with sequence_parallel)"
+        )
     if any(r[3] != rows[0][3] for r in rows):
         bad = [i for i, r in enumerate(rows) if r[3] != rows[0][3]]
-        raise ValueError(f"ranks {bad} call the loss with a different hidden size, dtype, bias, gradient need, "
-                         "loss options or settings than rank 0 (every rank of the group must make the same call)")
+        raise ValueError(
+            f"ranks {bad} call the loss with a different hidden size, dtype, bias, gradient need, "
+            "loss options or settings than rank 0 (every rank of the group must make the same call)"
+        )
     if any(r[4] != rows[0][4] for r in rows):
         raise ValueError(f"ranks disagree on vocab_size: {[None if r[4] < 0 else r[4] for r in rows]} per rank")
     explicit = [r[0] for r in rows]
@@ -116,12 +139,16 @@ def _handshake(group: dist.ProcessGroup, v_local: int, vocab_start: int | None, 
     pos = 0
     for i in order:
         if starts[i] != pos:
-            raise ValueError((full_msg + "; " if full else "") + f"vocab shards do not tile [0, V): rank {i} "
-                             f"starts at {starts[i]}, expected {pos} {layout}")
+            raise ValueError(
+                (full_msg + "; " if full else "") + f"vocab shards do not tile [0, V): rank {i} "
+                f"starts at {starts[i]}, expected {pos} {layout}"
+            )
         pos += rows[i][1]
     if rows[0][4] >= 0 and pos != rows[0][4]:
-        raise ValueError((full_msg + "; " if full else "")
-                         + f"vocab shards hold {pos} rows in all but vocab_size is {rows[0][4]} {layout}")
+        raise ValueError(
+            (full_msg + "; " if full else "")
+            + f"vocab shards hold {pos} rows in all but vocab_size is {rows[0][4]} {layout}"
+        )
     return starts[dist.get_rank(group)], pos
 
 
@@ -131,9 +158,16 @@ def call_signature(*fields: object) -> int:
     return zlib.crc32(text) | (zlib.adler32(text) << 31)
 
 
-def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, vocab_start: int | None,
-                  device: torch.device, n_tokens: int = -1, fields: tuple = (),
-                  vocab_size: int | None = None, force: bool = False) -> tuple[int, int, bool]:
+def resolve_shard(
+    group: dist.ProcessGroup | None,
+    weight: torch.Tensor | int,
+    vocab_start: int | None,
+    device: torch.device,
+    n_tokens: int = -1,
+    fields: tuple = (),
+    vocab_size: int | None = None,
+    force: bool = False,
+) -> tuple[int, int, bool]:
     """``(vocab_start, vocab_size, stale)`` of this rank; ``weight``: this rank's ``[V_local, H]``
     shard (or only its row count ``V_local``).
 
@@ -168,11 +202,14 @@ def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, v
         if vocab_start not in (None, 0):
             raise ValueError(f"vocab_start must be 0 or None without a tensor-parallel group, got {vocab_start}")
         if vocab_size is not None and vocab_size != v_local:
-            raise ValueError(f"vocab_size is {vocab_size} but weight holds {v_local} rows without a tensor-parallel group")
+            raise ValueError(
+                f"vocab_size is {vocab_size} but weight holds {v_local} rows without a tensor-parallel group"
+            )
         return 0, v_local, False
     if vocab_size is None and vocab_start is None:
-        raise ValueError("with a group of several ranks pass vocab_size= (and/or vocab_start=): the layout is stated, "
-                         "not guessed")
+        raise ValueError(
+            "with a group of several ranks pass vocab_size= (and/or vocab_start=): the layout is stated, not guessed"
+        )
     dev = str(device) if dist.get_backend(group) == "nccl" else "cpu"
     shape = (tuple(weight.shape[1:]), str(weight.dtype)) if isinstance(weight, torch.Tensor) else None
     key = (vocab_size, vocab_start is None, torch.device(dev).type, shape)  # shared by every rank
@@ -191,9 +228,17 @@ def resolve_shard(group: dist.ProcessGroup | None, weight: torch.Tensor | int, v
     return start, vocab, False
 
 
-def agree_call(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start: int | None, device: torch.device,
-               n_tokens: int, fields: tuple, vocab_size: int | None, digest: int,
-               make_plan: Callable[[int, int], object]) -> tuple:
+def agree_call(
+    group: dist.ProcessGroup,
+    weight: torch.Tensor | int,
+    vocab_start: int | None,
+    device: torch.device,
+    n_tokens: int,
+    fields: tuple,
+    vocab_size: int | None,
+    digest: int,
+    make_plan: Callable[[int, int], object],
+) -> tuple:
     """An eager call on a group of P > 1 ranks whose plan (everything that shapes its collectives: ``fields``
     and the stated layout) has the digest ``digest``: ``(vocab_start, vocab_size, stale, stand_in)``
     (``agree.py``).
@@ -210,17 +255,26 @@ def agree_call(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start
         hist.advance(pred)  # what every rank runs: the predicted plan (or, where a call differs, its stand-in)
         return None, None, False, hist.plans[pred]
     # cold (every rank is: every rank agrees now) or a hit (the layout cache holds the plan's layout)
-    start, vocab, stale = resolve_shard(group, weight, vocab_start, device, n_tokens, fields, vocab_size,
-                                        force=pred is None)
+    start, vocab, stale = resolve_shard(
+        group, weight, vocab_start, device, n_tokens, fields, vocab_size, force=pred is None
+    )
     if pred is None:
         hist.record(digest, make_plan(start, vocab))
     hist.advance(digest)
     return start, vocab, stale, None
 
 
-def agree_new(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start: int | None, device: torch.device,
-              n_tokens: int, fields: tuple, vocab_size: int | None, digest: int,
-              make_plan: Callable[[int, int], object]) -> tuple[int, int, bool]:
+def agree_new(
+    group: dist.ProcessGroup,
+    weight: torch.Tensor | int,
+    vocab_start: int | None,
+    device: torch.device,
+    n_tokens: int,
+    fields: tuple,
+    vocab_size: int | None,
+    digest: int,
+    make_plan: Callable[[int, int], object],
+) -> tuple[int, int, bool]:
     """After :class:`agree.Replan` (every rank of the group stood in for one new plan, ``digest``, with the same
     token count: the stand-ins' guards compared both): the layout from the cache, or, where this stated layout
     is new (the cache is the same on every rank), the handshake on every rank; records the plan and notes that
@@ -232,9 +286,15 @@ def agree_new(group: dist.ProcessGroup, weight: torch.Tensor | int, vocab_start:
     return start, vocab, stale
 
 
-def resolve_call(group: dist.ProcessGroup | str | None, weight: torch.Tensor | int, vocab_start: int | None,
-                 device: torch.device, n_tokens: int, fields: tuple,
-                 vocab_size: int | None = None) -> tuple[int, int, str, int, bool]:
+def resolve_call(
+    group: dist.ProcessGroup | str | None,
+    weight: torch.Tensor | int,
+    vocab_start: int | None,
+    device: torch.device,
+    n_tokens: int,
+    fields: tuple,
+    vocab_size: int | None = None,
+) -> tuple[int, int, str, int, bool]:
     """``(vocab_start, vocab_size, group name, group size, stale)`` of a call: the once-per-layout
     checks of :func:`resolve_shard`, with the call's ``fields`` (options, settings, shapes) compared
     across ranks, and the group's name for the compiled op.

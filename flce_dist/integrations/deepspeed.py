@@ -115,8 +115,10 @@ def load_config(config: str | os.PathLike | dict | None) -> dict:
         try:
             parsed = _loads(base64.urlsafe_b64decode(config).decode("utf-8"))
         except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"config is a string but neither an existing file nor the base64 of a DeepSpeed JSON "
-                             f"config (what deepspeed.initialize accepts): {config!r}") from exc
+            raise ValueError(
+                f"config is a string but neither an existing file nor the base64 of a DeepSpeed JSON "
+                f"config (what deepspeed.initialize accepts): {config!r}"
+            ) from exc
         if isinstance(parsed, dict):
             return dict(parsed)
         raise ValueError(f"config is the base64 of {type(parsed).__name__}, not of a JSON object: {config!r}")
@@ -140,8 +142,10 @@ def options_from_config(config: str | os.PathLike | dict | None) -> dict[str, An
     tp = cfg.get("tensor_parallel", cfg.get("tp", {})) or {}
     backend = tp.get("vocab_parallel_ce_backend", "torch")
     if backend != "torch":
-        raise ValueError(f'"{SECTION}": {{"enabled": true}} replaces the vocabulary-parallel CE backend; set '
-                         f'tensor_parallel.vocab_parallel_ce_backend to "torch" (its default), not {backend!r}')
+        raise ValueError(
+            f'"{SECTION}": {{"enabled": true}} replaces the vocabulary-parallel CE backend; set '
+            f'tensor_parallel.vocab_parallel_ce_backend to "torch" (its default), not {backend!r}'
+        )
     return options
 
 
@@ -154,9 +158,11 @@ def enable(engine_or_model: Any, **options: Any) -> Any:
     autotp = getattr(engine_or_model, "autotp_size", None)
     if callable(autotp) and autotp() > 1:
         if head_shard(cast("PreTrainedModel", model).get_output_embeddings()).group is None:
-            warnings.warn("flce_dist: AutoTP is on but the lm_head is not vocabulary-sharded (set "
-                          'tensor_parallel.vocab_parallel_lm_head to true); every rank computes the full-vocabulary loss',
-                          stacklevel=2)
+            warnings.warn(
+                "flce_dist: AutoTP is on but the lm_head is not vocabulary-sharded (set "
+                "tensor_parallel.vocab_parallel_lm_head to true); every rank computes the full-vocabulary loss",
+                stacklevel=2,
+            )
     return engine_or_model
 
 

@@ -10,7 +10,8 @@ vocab-parallel and column-parallel heads). A head that no finder claims is a ful
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist

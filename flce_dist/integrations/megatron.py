@@ -128,13 +128,13 @@ call runs eagerly (a graph break under a compiled caller).
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 import numbers
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -144,8 +144,8 @@ from ..api import _autocast_cast, _autocast_device, _check_loss_weights, _check_
 from ..api import fused_linear_cross_entropy as _flce
 from ..api import logprobs_and_entropy as _logprobs_and_entropy
 from ..autograd import FLCEFunction, refuse_double_backward
-from ..core import scale_precomputed
-from ..distributed import all_gather_rows, group_size, resolve_shard
+from ..core import scale_precomputed, weighted_verdict
+from ..distributed import resolve_shard
 from ..options import FLCEParams, LossOptions
 from ..settings import Settings, current
 
@@ -160,41 +160,55 @@ def _refuse_config(config: Any) -> None:
     recipe = getattr(config, "fp8_recipe", None)
     recipe = str(getattr(recipe, "value", recipe)).lower()
     if getattr(config, "fp8_output_proj", False) and getattr(config, "fp8", None) and "mxfp8" in recipe:
-        raise ValueError("flce_dist's Megatron head does not support the MXFP8 output layer (config.fp8_output_proj "
-                         "with fp8_recipe='mxfp8': Transformer Engine's TELMHeadColumnParallelLinear)")
+        raise ValueError(
+            "flce_dist's Megatron head does not support the MXFP8 output layer (config.fp8_output_proj "
+            "with fp8_recipe='mxfp8': Transformer Engine's TELMHeadColumnParallelLinear)"
+        )
     if getattr(config, "defer_embedding_wgrad_compute", False):
-        raise ValueError("flce_dist's Megatron head does not support config.defer_embedding_wgrad_compute (Megatron "
-                         "defers the output layer's weight gradient to the pipeline flush; flce_dist forms it in the "
-                         "loss's backward)")
+        raise ValueError(
+            "flce_dist's Megatron head does not support config.defer_embedding_wgrad_compute (Megatron "
+            "defers the output layer's weight gradient to the pipeline flush; flce_dist forms it in the "
+            "loss's backward)"
+        )
 
 
 def _refuse(config: Any, output_layer: nn.Module) -> None:
     """Raise ``ValueError`` naming the Megatron setting the fused head cannot honour."""
     _refuse_config(config)
     if type(output_layer).__name__ == "TELMHeadColumnParallelLinear":
-        raise ValueError("flce_dist's Megatron head does not support the MXFP8 output layer (config.fp8_output_proj "
-                         "with fp8_recipe='mxfp8': Transformer Engine's TELMHeadColumnParallelLinear)")
+        raise ValueError(
+            "flce_dist's Megatron head does not support the MXFP8 output layer (config.fp8_output_proj "
+            "with fp8_recipe='mxfp8': Transformer Engine's TELMHeadColumnParallelLinear)"
+        )
     if getattr(output_layer, "gtp_remat_size", 1) > 1:
-        raise ValueError(f"flce_dist's Megatron head does not support a split output weight (generalized tensor "
-                         f"parallelism, output_layer.gtp_remat_size={output_layer.gtp_remat_size}: the weight is "
-                         f"rematerialized from gtp_remat shards inside Megatron's linear)")
+        raise ValueError(
+            f"flce_dist's Megatron head does not support a split output weight (generalized tensor "
+            f"parallelism, output_layer.gtp_remat_size={output_layer.gtp_remat_size}: the weight is "
+            f"rematerialized from gtp_remat shards inside Megatron's linear)"
+        )
     if getattr(output_layer, "disable_grad_reduce", False):
-        raise ValueError("flce_dist's Megatron head does not support output_layer.disable_grad_reduce (flce_dist "
-                         "reduces the hidden-state gradient over the tensor-parallel group itself)")
+        raise ValueError(
+            "flce_dist's Megatron head does not support output_layer.disable_grad_reduce (flce_dist "
+            "reduces the hidden-state gradient over the tensor-parallel group itself)"
+        )
 
 
 def _refuse_swap(config: Any, model: nn.Module) -> None:
     """What the output-layer swap cannot cover (checked on every chunk at ``install``)."""
     name = type(model).__name__
     if getattr(config, "mtp_num_layers", None):
-        raise ValueError(f"flce_dist's output-layer swap ({name}: no output_processor hook) does not support "
-                         f"multi-token prediction (config.mtp_num_layers={config.mtp_num_layers}): Megatron's "
-                         f"process_mtp_loss calls the output layer and its cross entropy for every depth; use a "
-                         f"GPTModel with the output_processor hook (megatron-core >= 0.18)")
+        raise ValueError(
+            f"flce_dist's output-layer swap ({name}: no output_processor hook) does not support "
+            f"multi-token prediction (config.mtp_num_layers={config.mtp_num_layers}): Megatron's "
+            f"process_mtp_loss calls the output layer and its cross entropy for every depth; use a "
+            f"GPTModel with the output_processor hook (megatron-core >= 0.18)"
+        )
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        raise ValueError(f"flce_dist's output-layer swap ({name}: no output_processor hook) does not support "
-                         f"config.overlap_moe_expert_parallel_comm (the combined 1F1B schedule builds the chunk with "
-                         f"build_schedule_plan, whose post-process node never meets the swap's forward hooks)")
+        raise ValueError(
+            f"flce_dist's output-layer swap ({name}: no output_processor hook) does not support "
+            f"config.overlap_moe_expert_parallel_comm (the combined 1F1B schedule builds the chunk with "
+            f"build_schedule_plan, whose post-process node never meets the swap's forward hooks)"
+        )
 
 
 # ---------------------------------------------------------------- the output layer's own forward
@@ -221,12 +235,14 @@ def _instance_forward(layer: nn.Module) -> Callable | None:
 
 def _refuse_hooks(layer: nn.Module) -> None:
     if layer._forward_hooks:
-        raise ValueError(f"{_layer_name(layer)} has forward hook(s) {list(layer._forward_hooks.values())}: they see "
-                         f"(and may change) the logits, which flce_dist's head never forms; remove them, or leave "
-                         f"this model's cross entropy to Megatron")
+        raise ValueError(
+            f"{_layer_name(layer)} has forward hook(s) {list(layer._forward_hooks.values())}: they see "
+            f"(and may change) the logits, which flce_dist's head never forms; remove them, or leave "
+            f"this model's cross entropy to Megatron"
+        )
 
 
-_AUDITS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+_AUDITS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 def _head_softcap(layer: nn.Module, config: Any, weight: torch.Tensor | None) -> float | None:
@@ -248,12 +264,15 @@ def _head_softcap(layer: nn.Module, config: Any, weight: torch.Tensor | None) ->
     return verdict
 
 
-def _probe(layer: nn.Module, weight: torch.Tensor | None, base: Callable | None, custom: Callable,
-           cap: float | None) -> float | None:
+def _probe(
+    layer: nn.Module, weight: torch.Tensor | None, base: Callable | None, custom: Callable, cap: float | None
+) -> float | None:
     where = "an instance attribute 'forward'" if "forward" in layer.__dict__ else f"{type(layer).__qualname__}.forward"
     if base is None:
-        raise ValueError(f"{_layer_name(layer)} is not a Megatron-Core linear (no megatron.core class in its MRO "
-                         f"defines forward): flce_dist cannot tell what its forward computes")
+        raise ValueError(
+            f"{_layer_name(layer)} is not a Megatron-Core linear (no megatron.core class in its MRO "
+            f"defines forward): flce_dist cannot tell what its forward computes"
+        )
     w = cast("torch.Tensor | None", layer.weight) if weight is None else weight
     if w is None:
         raise ValueError(f"{_layer_name(layer)} has no weight and none was passed")
@@ -270,22 +289,30 @@ def _probe(layer: nn.Module, weight: torch.Tensor | None, base: Callable | None,
             if m > 0:
                 zb, zc = run(x * (3.0 * cap / m))
     if zb.shape != zc.shape:
-        raise ValueError(f"{_layer_name(layer)}: {where} returns logits of shape {tuple(zc.shape)} where Megatron's "
-                         f"forward returns {tuple(zb.shape)}: flce_dist cannot honour it")
+        raise ValueError(
+            f"{_layer_name(layer)}: {where} returns logits of shape {tuple(zc.shape)} where Megatron's "
+            f"forward returns {tuple(zb.shape)}: flce_dist cannot honour it"
+        )
     tol = 16 * torch.finfo(w.dtype).eps * max(1.0, float(zb.abs().max()) if zb.numel() else 1.0)
     if cap is not None and bool(((zc - cap * torch.tanh(zb / cap)).abs() <= tol).all()):
         return cap
     if bool(((zc - zb).abs() <= tol).all()):
         return None
-    known = (f"c * tanh(z / c) with config.final_logit_softcapping = {cap}" if cap is not None
-             else "softcapping needs config.final_logit_softcapping")
-    raise ValueError(f"{_layer_name(layer)} overrides Megatron's forward ({where}) and changes the logits in a way "
-                     f"flce_dist cannot honour (neither unchanged logits nor {known}); remove the override, or "
-                     f"leave this model's cross entropy to Megatron")
+    known = (
+        f"c * tanh(z / c) with config.final_logit_softcapping = {cap}"
+        if cap is not None
+        else "softcapping needs config.final_logit_softcapping"
+    )
+    raise ValueError(
+        f"{_layer_name(layer)} overrides Megatron's forward ({where}) and changes the logits in a way "
+        f"flce_dist cannot honour (neither unchanged logits nor {known}); remove the override, or "
+        f"leave this model's cross entropy to Megatron"
+    )
 
 
-def _run_pre_hooks(layer: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None,
-                   runtime_gather_output: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _run_pre_hooks(
+    layer: nn.Module, hidden: torch.Tensor, weight: torch.Tensor | None, runtime_gather_output: bool | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The output layer's forward pre-hooks (global, then the layer's), as ``nn.Module.__call__`` runs them
     on ``layer(hidden, weight=weight, runtime_gather_output=...)``: their returned inputs are used."""
     from torch.nn.modules import module as nn_module
@@ -297,8 +324,9 @@ def _run_pre_hooks(layer: nn.Module, hidden: torch.Tensor, weight: torch.Tensor 
             out = hook(layer, args, kwargs)
             if out is not None:
                 if not (isinstance(out, tuple) and len(out) == 2):
-                    raise RuntimeError(f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but "
-                                       f"got {out}.")
+                    raise RuntimeError(
+                        f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but got {out}."
+                    )
                 args, kwargs = out
         else:
             out = hook(layer, args)
@@ -325,15 +353,23 @@ class _DeviceChecked(FLCEFunction):
         dx, dw, db = ctx.pre
         ctx.pre = None
         pre = (dx if need[0] else None, dw if need[1] else None, db if need[2] else None)
-        return (*_scale_on_device(pre, grad_loss, ctx.tw, valid, ctx.p, ctx.group, ctx.w_dtype),
-                None, None, None, None, None)
+        return (
+            *_scale_on_device(pre, grad_loss, ctx.tw, valid, ctx.p, ctx.group, ctx.w_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 _device_checked = torch._disable_dynamo(lambda *args: _DeviceChecked.apply(*args))
 
-_FORM = ("the gradient arriving at the per-token loss is not c * loss_mask for one c on every rank (Megatron's "
-         "loss_func, sum(loss * loss_mask) * c, gives that form): pass grad_check='host' (install / OutputProcessor) "
-         "for a loss function of another form (one host sync per backward; exact)")
+_FORM = (
+    "the gradient arriving at the per-token loss is not c * loss_mask for one c on every rank (Megatron's "
+    "loss_func, sum(loss * loss_mask) * c, gives that form): pass grad_check='host' (install / OutputProcessor) "
+    "for a loss function of another form (one host sync per backward; exact)"
+)
 
 
 def _raise_on_cpu(good: torch.Tensor) -> None:
@@ -342,36 +378,23 @@ def _raise_on_cpu(good: torch.Tensor) -> None:
         raise ValueError(_FORM)
 
 
-def _scale_on_device(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, valid: torch.Tensor, p: FLCEParams,
-                     group: dist.ProcessGroup | None, w_dtype: torch.dtype) -> tuple:
+def _scale_on_device(
+    pre: tuple,
+    grad_loss: torch.Tensor,
+    tw: torch.Tensor,
+    valid: torch.Tensor,
+    p: FLCEParams,
+    group: dist.ProcessGroup | None,
+    w_dtype: torch.dtype,
+) -> tuple:
     """``core.scale_weighted``'s scaling, decided on the device: ``c`` (least squares over this rank's
     rows, float64) and the form check (to 64 ulps of float32 per token, every rank's ``c`` within the
     same bound of the first rank with weight) are combined by one all-gather of 3 float64 per rank (none
     on one rank); dW and db are scaled by ``c``, each dX row by ``g_n / w_n``. Where the check fails every
     rank's gradients are NaN (CPU tensors: ``ValueError``, a host read that costs nothing there)."""
     dx, dw, db = pre
-    acc = tw.dtype
-    g = grad_loss.reshape(-1).to(acc)
-    n = g.shape[0]
-    if p.sequence_parallel and group_size(group) > 1:  # this rank's slice of the gathered rows
-        r = dist.get_rank(group)
-        tw, valid = tw[r * n:(r + 1) * n], valid[r * n:(r + 1) * n]
-    zero = torch.zeros((), dtype=acc, device=g.device)
-    g = torch.where(valid, g, zero)  # ignored rows have no gradient
-    g64, w64 = g.double(), tw.double()
-    s1, s2 = (g64 * w64).sum(), (w64 * w64).sum()
-    has = s2 > 0
-    c = torch.where(has, s1 / torch.where(has, s2, torch.ones_like(s2)), torch.zeros_like(s2))
-    tol = 64 * torch.finfo(acc).eps
-    cw = c * w64
-    ok = ((g64 - cw).abs() <= tol * cw.abs()).all()
-    info = torch.stack([c, has.double(), ok.double()])[None]
-    if group_size(group) > 1:
-        info = all_gather_rows(info, group)  # [P, 3]: the same verdict on every rank
-    hs = info[:, 1] > 0
-    c_ref = info[hs.to(torch.int32).argmax(), 0] * hs.any()  # the first rank with weight's c (or 0)
-    agree = ((info[:, 0] - c_ref).abs() <= tol * c_ref.abs()) | ~hs
-    good = (info[:, 2] > 0).all() & agree.all()
+    g, tw, good, c_ref = weighted_verdict(grad_loss, tw, valid, p, group)
+    zero = torch.zeros((), dtype=tw.dtype, device=g.device)
     if g.device.type == "cpu":
         _raise_on_cpu(good)
     poison = torch.where(good, 0.0, math.nan).to(torch.float32)  # 0, or NaN into every gradient
@@ -382,9 +405,18 @@ def _scale_on_device(pre: tuple, grad_loss: torch.Tensor, tw: torch.Tensor, vali
     return dx, dw, db
 
 
-def _weighted_losses(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-                     group: dist.ProcessGroup | None, start: int, vocab: int, weights: torch.Tensor,
-                     options: LossOptions, settings: Settings | None) -> torch.Tensor | None:
+def _weighted_losses(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    start: int,
+    vocab: int,
+    weights: torch.Tensor,
+    options: LossOptions,
+    settings: Settings | None,
+) -> torch.Tensor | None:
     """Per-token losses [N_in] of ``fused_linear_cross_entropy(..., reduction="none", loss_weights=weights)``
     through :class:`_DeviceChecked` (the API's plain-tensor eager dispatch: the same checks, the same
     once-per-layout shard check, autocast's rule for linear); None where no gradient is formed (then the
@@ -406,14 +438,24 @@ def _weighted_losses(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     if group is None:
         (start, vocab, stale), tp = resolve_shard(None, weight, start, x.device, vocab_size=vocab), 1
     else:
-        fields = (h, str(x.dtype), bias is not None, need_dx, need_dw, False, options.signature(),
-                  settings.astuple(), True)
+        fields = (
+            h,
+            str(x.dtype),
+            bias is not None,
+            need_dx,
+            need_dw,
+            False,
+            options.signature(),
+            settings.astuple(),
+            True,
+        )
         start, vocab, _, tp, stale = _resolve(group, weight, start, x.device, n, fields, vocab)
     t = target.to(torch.int64)
     if t.device.type == "cpu" and t.numel() and tp == 1:
         _check_target_range(t, vocab, options.ignore_index)
-    p = FLCEParams(start, vocab, options.replace(sequence_parallel=options.sequence_parallel and tp > 1), settings,
-                   stale)
+    p = FLCEParams(
+        start, vocab, options.replace(sequence_parallel=options.sequence_parallel and tp > 1), settings, stale
+    )
     return _device_checked(x.contiguous(), weight.contiguous(), bias, t.contiguous(), None, p, group, lw)[0]
 
 
@@ -465,33 +507,52 @@ class OutputProcessor:
         if self.output not in _OUTPUTS:
             raise ValueError(f"output must be one of {_OUTPUTS}, got {self.output!r}")
         if self.output == "loss" and self.temperature != 1.0:
-            raise ValueError(f"temperature={self.temperature} goes with output='logprobs' (the loss is Megatron's "
-                             f"cross entropy of its logits)")
+            raise ValueError(
+                f"temperature={self.temperature} goes with output='logprobs' (the loss is Megatron's "
+                f"cross entropy of its logits)"
+            )
         if not isinstance(self.entropy, bool):
             raise TypeError(f"entropy must be a bool, got {self.entropy!r}")
 
-    def __call__(self, *, hidden_states: torch.Tensor, output_layer: nn.Module,
-                 output_weight: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                 loss_mask: torch.Tensor | None = None, config: Any = None,
-                 runtime_gather_output: bool | None = None, scale_logits: Callable | None = None,
-                 inference_context: Any = None, **_unused: Any):
+    def __call__(
+        self,
+        *,
+        hidden_states: torch.Tensor,
+        output_layer: nn.Module,
+        output_weight: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        config: Any = None,
+        runtime_gather_output: bool | None = None,
+        scale_logits: Callable | None = None,
+        inference_context: Any = None,
+        **_unused: Any,
+    ):
         config = output_layer.config if config is None else config
         _refuse(config, output_layer)
         if labels is None:  # Megatron's own logits path (what GPTModel._postprocess does without labels)
             if inference_context is not None:
-                raise ValueError("flce_dist's output_processor computes training/evaluation losses; leave "
-                                 "output_processor unset for inference (inference_context given, labels None)")
+                raise ValueError(
+                    "flce_dist's output_processor computes training/evaluation losses; leave "
+                    "output_processor unset for inference (inference_context given, labels None)"
+                )
             logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
             if scale_logits is not None:
                 logits = scale_logits(logits)
             return logits.transpose(0, 1).contiguous()
         _refuse_hooks(output_layer)
-        hidden_states, output_weight = _run_pre_hooks(output_layer, hidden_states, output_weight,
-                                                      runtime_gather_output)
+        hidden_states, output_weight = _run_pre_hooks(output_layer, hidden_states, output_weight, runtime_gather_output)
         return self.loss(hidden_states, output_layer, output_weight, labels, loss_mask, config)
 
-    def loss(self, hidden: torch.Tensor, output_layer: nn.Module, output_weight: torch.Tensor | None,
-             labels: torch.Tensor, loss_mask: torch.Tensor | None, config: Any):
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        output_layer: nn.Module,
+        output_weight: torch.Tensor | None,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None,
+        config: Any,
+    ):
         """The per-token outputs ``[b, s]`` float32 of ``hidden`` ``[s, b, h]`` (``[s/P, b, h]`` under
         sequence parallelism) through ``output_layer`` (see the module docstring): the loss, or
         ``(logprobs, entropy)`` / ``logprobs`` with ``output="logprobs"``. ``hidden`` is what the layer's
@@ -500,8 +561,9 @@ class OutputProcessor:
         softcap = _head_softcap(output_layer, config, output_weight)
         weight = cast("torch.Tensor | None", output_layer.weight) if output_weight is None else output_weight
         if weight is None:
-            raise ValueError("the output layer has no weight (skip_weight_param_allocation) and Megatron passed no "
-                             "output_weight")
+            raise ValueError(
+                "the output layer has no weight (skip_weight_param_allocation) and Megatron passed no output_weight"
+            )
         group = getattr(output_layer, "tp_group", None)
         if group is None:  # releases before the layers kept their group: Megatron's global tensor-parallel group
             from megatron.core import parallel_state
@@ -512,16 +574,20 @@ class OutputProcessor:
         padded = rows * tp
         expect = getattr(output_layer, "output_size", padded)
         if padded != expect:
-            raise ValueError(f"the output weight has {rows} rows on each of {tp} tensor-parallel ranks ({padded} in "
-                             f"all) but output_layer.output_size is {expect}: a split weight, not supported")
+            raise ValueError(
+                f"the output weight has {rows} rows on each of {tp} tensor-parallel ranks ({padded} in "
+                f"all) but output_layer.output_size is {expect}: a split weight, not supported"
+            )
         if hidden.dim() != 3 or hidden.shape[-1] != weight.shape[1]:
             raise ValueError(f"hidden_states must be [s, b, h] with h = {weight.shape[1]}, got {tuple(hidden.shape)}")
         sp = bool(getattr(output_layer, "sequence_parallel", False)) and tp > 1
         s_local, b, h = hidden.shape
         s = s_local * tp if sp else s_local
         if tuple(labels.shape) != (b, s):
-            raise ValueError(f"labels must be [b, s] = [{b}, {s}] for hidden states {tuple(hidden.shape)}"
-                             f"{' (sequence parallel)' if sp else ''}, got {tuple(labels.shape)}")
+            raise ValueError(
+                f"labels must be [b, s] = [{b}, {s}] for hidden states {tuple(hidden.shape)}"
+                f"{' (sequence parallel)' if sp else ''}, got {tuple(labels.shape)}"
+            )
         sl = slice(rank * s_local, (rank + 1) * s_local) if sp else slice(None)
         target = labels.transpose(0, 1)[sl].reshape(-1)  # [s, b] token order, this rank's slice under SP
         weights = None
@@ -537,8 +603,9 @@ class OutputProcessor:
         start, vocab = rank * rows, padded
         if self.true_vocab_size is not None:
             if self.true_vocab_size > padded:
-                raise ValueError(f"true_vocab_size={self.true_vocab_size} exceeds the model's padded vocabulary "
-                                 f"({padded})")
+                raise ValueError(
+                    f"true_vocab_size={self.true_vocab_size} exceeds the model's padded vocabulary ({padded})"
+                )
             keep = min(max(self.true_vocab_size - start, 0), rows)
             if keep < rows:
                 weight = weight[:keep]
@@ -549,8 +616,16 @@ class OutputProcessor:
         if getattr(config, "use_mup", False) and mult != 1.0:
             temperature = temperature / mult
         x = hidden.reshape(s_local * b, h)
-        kw: dict[str, Any] = dict(bias=bias, group=group if tp > 1 else None, vocab_start=start, vocab_size=vocab,
-                  sequence_parallel=sp, softcap=softcap, ignore_index=self.ignore_index, settings=self.settings)
+        kw: dict[str, Any] = dict(
+            bias=bias,
+            group=group if tp > 1 else None,
+            vocab_start=start,
+            vocab_size=vocab,
+            sequence_parallel=sp,
+            softcap=softcap,
+            ignore_index=self.ignore_index,
+            settings=self.settings,
+        )
         if self.output == "logprobs":
             if self.entropy:
                 out = torch.stack(_logprobs_and_entropy(x, weight, target, temperature=temperature, **kw), -1)
@@ -560,14 +635,29 @@ class OutputProcessor:
         else:
             loss = None
             if weights is not None and self.strategy != "recompute" and self.grad_check == "device":
-                options = LossOptions(ignore_index=self.ignore_index, reduction="none", softcap=softcap,
-                                      temperature=temperature, sequence_parallel=sp, strategy=self.strategy)
-                loss = _weighted_losses(x, weight, target, bias, kw["group"], start, vocab, weights, options,
-                                        self.settings)
+                options = LossOptions(
+                    ignore_index=self.ignore_index,
+                    reduction="none",
+                    softcap=softcap,
+                    temperature=temperature,
+                    sequence_parallel=sp,
+                    strategy=self.strategy,
+                )
+                loss = _weighted_losses(
+                    x, weight, target, bias, kw["group"], start, vocab, weights, options, self.settings
+                )
             if loss is None:
                 fused = weights is not None and self.strategy != "recompute"
-                loss = _flce(x, weight, target, reduction="none", temperature=temperature, strategy=self.strategy,
-                             loss_weights=weights if fused else None, **kw)
+                loss = _flce(
+                    x,
+                    weight,
+                    target,
+                    reduction="none",
+                    temperature=temperature,
+                    strategy=self.strategy,
+                    loss_weights=weights if fused else None,
+                    **kw,
+                )
             out = loss.view(s_local, b, 1)
         if sp:  # every rank returns all s tokens; each rank's backward takes its slice's gradient
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -598,8 +688,10 @@ def _language_modules(model: Any) -> list[Any]:  # Megatron's modules (megatron 
         while not isinstance(inner, LanguageModule) and isinstance(getattr(inner, "module", None), nn.Module):
             inner = inner.module
         if not isinstance(inner, LanguageModule):
-            raise TypeError(f"install() takes a Megatron-Core GPTModel / HybridModel (or a wrapper or list of them), "
-                            f"got {type(m).__name__}")
+            raise TypeError(
+                f"install() takes a Megatron-Core GPTModel / HybridModel (or a wrapper or list of them), "
+                f"got {type(m).__name__}"
+            )
         out.append(inner)
     return out
 
@@ -634,7 +726,7 @@ class Installed:
         while self._undo:
             self._undo.pop()()
 
-    def __enter__(self) -> "Installed":
+    def __enter__(self) -> Installed:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -663,10 +755,19 @@ def _route(m: nn.Module, method: str) -> str:
     return "hook" if method == "hook" or (method == "auto" and _has_hook(m)) else "swap"
 
 
-def install(model: Any, *, true_vocab_size: int | None = None, strategy: str = "auto",
-            settings: Settings | None = None, ignore_index: int = -100, method: str = "auto",
-            grad_check: str = "device", output: str = "loss", temperature: float = 1.0,
-            entropy: bool = True) -> Installed:
+def install(
+    model: Any,
+    *,
+    true_vocab_size: int | None = None,
+    strategy: str = "auto",
+    settings: Settings | None = None,
+    ignore_index: int = -100,
+    method: str = "auto",
+    grad_check: str = "device",
+    output: str = "loss",
+    temperature: float = 1.0,
+    entropy: bool = True,
+) -> Installed:
     """Route ``model(..., labels=..., loss_mask=...)`` through flce_dist (see the module docstring).
 
     ``model``: a ``GPTModel`` / ``HybridModel``, a wrapper of one (Megatron's DDP, Float16Module),
@@ -680,15 +781,24 @@ def install(model: Any, *, true_vocab_size: int | None = None, strategy: str = "
     (``remove()``)."""
     if method not in ("auto", "hook", "swap"):
         raise ValueError(f"method must be 'auto', 'hook' or 'swap', got {method!r}")
-    proc = OutputProcessor(true_vocab_size=true_vocab_size, strategy=strategy, settings=settings,
-                           ignore_index=ignore_index, grad_check=grad_check, output=output, temperature=temperature,
-                           entropy=entropy)
+    proc = OutputProcessor(
+        true_vocab_size=true_vocab_size,
+        strategy=strategy,
+        settings=settings,
+        ignore_index=ignore_index,
+        grad_check=grad_check,
+        output=output,
+        temperature=temperature,
+        entropy=entropy,
+    )
     every = _language_modules(model)
     for m in every:  # every chunk, pipeline stages without the output layer included: fail before the first step
         _refuse_config(m.config)
         if method == "hook" and not _has_hook(m):
-            raise ValueError(f"{type(m).__name__}.forward has no output_processor argument (megatron-core >= 0.18 "
-                             f"GPTModel): use method='swap'")
+            raise ValueError(
+                f"{type(m).__name__}.forward has no output_processor argument (megatron-core >= 0.18 "
+                f"GPTModel): use method='swap'"
+            )
         if _route(m, method) == "swap":
             _refuse_swap(m.config, m)
     chunks = [m for m in every if getattr(m, "post_process", True)]
@@ -756,8 +866,9 @@ def _install_swap(m: Any, proc: OutputProcessor, handle: Installed) -> None:  # 
         state.pending = state.stash = None
         return None
 
-    def layer_forward(input_: torch.Tensor, weight: torch.Tensor | None = None,
-                      runtime_gather_output: bool | None = None):
+    def layer_forward(
+        input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ):
         if state.pending is None:
             if prev_forward is not None:
                 return prev_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output)

@@ -123,11 +123,13 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
         # ChunkedLossWrapper.__init__ is not called: there is no inner loss and no chunking.
         v = config.global_vocab_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
-            raise ValueError(f"FusedLinearCrossEntropyLoss.Config.global_vocab_size must be a positive int or None, "
-                             f"got {v!r}")
+            raise ValueError(
+                f"FusedLinearCrossEntropyLoss.Config.global_vocab_size must be a positive int or None, got {v!r}"
+            )
         if isinstance(config.ignore_index, bool) or not isinstance(config.ignore_index, numbers.Integral):
-            raise TypeError(f"FusedLinearCrossEntropyLoss.Config.ignore_index must be an int, got "
-                            f"{config.ignore_index!r}")
+            raise TypeError(
+                f"FusedLinearCrossEntropyLoss.Config.ignore_index must be an int, got {config.ignore_index!r}"
+            )
         self.config = config
         self.global_vocab_size = v
         self.num_chunks = 1
@@ -138,8 +140,10 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
     def set_lm_head(self, lm_head: nn.Module) -> None:
         """Set the lm_head module (torchtitan's trainer calls this). Must precede the first call."""
         if not isinstance(lm_head, nn.Module) or not isinstance(getattr(lm_head, "weight", None), torch.Tensor):
-            raise TypeError(f"set_lm_head: lm_head must be an nn.Module with a .weight tensor [V_local, H], "
-                            f"got {type(lm_head).__name__}")
+            raise TypeError(
+                f"set_lm_head: lm_head must be an nn.Module with a .weight tensor [V_local, H], "
+                f"got {type(lm_head).__name__}"
+            )
         self.lm_head = lm_head
 
     def __call__(
@@ -152,16 +156,21 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
         """``(sum of this rank's token losses / global_valid_tokens, {})``; see the module docstring."""
         del loss_inputs  # e.g. positions: unused by cross entropy (as in torchtitan's CrossEntropyLoss)
         if self.lm_head is None:
-            raise RuntimeError("FusedLinearCrossEntropyLoss: call set_lm_head(model.lm_head) before the first call "
-                               "(torchtitan's trainer does this for ChunkedLossWrapper subclasses)")
+            raise RuntimeError(
+                "FusedLinearCrossEntropyLoss: call set_lm_head(model.lm_head) before the first call "
+                "(torchtitan's trainer does this for ChunkedLossWrapper subclasses)"
+            )
         if not isinstance(pred, torch.Tensor) or pred.dim() < 2:
-            raise ValueError(f"pred must be the hidden states [B, L, D] (model run with _skip_lm_head=True), got "
-                             f"{type(pred).__name__ if not isinstance(pred, torch.Tensor) else tuple(pred.shape)}")
+            raise ValueError(
+                f"pred must be the hidden states [B, L, D] (model run with _skip_lm_head=True), got "
+                f"{type(pred).__name__ if not isinstance(pred, torch.Tensor) else tuple(pred.shape)}"
+            )
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"labels must be a tensor [B, L], got {type(labels).__name__}")
         if global_valid_tokens is not None and not isinstance(global_valid_tokens, (torch.Tensor, numbers.Real)):
-            raise TypeError(f"global_valid_tokens must be a tensor, a number or None, got "
-                            f"{type(global_valid_tokens).__name__}")
+            raise TypeError(
+                f"global_valid_tokens must be a tensor, a number or None, got {type(global_valid_tokens).__name__}"
+            )
         typed = get_spmd_backend() == "spmd_types" and spmd.is_type_checking()
         with spmd.no_typecheck():
             loss = _eager_call(self, pred, labels, global_valid_tokens)
@@ -169,8 +178,9 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
             spmd.assert_type(loss, {"dp": spmd.P, "cp": spmd.P, "tp": spmd.I})
         return loss, {}
 
-    def _call(self, pred: torch.Tensor, labels: torch.Tensor,
-              global_valid_tokens: torch.Tensor | numbers.Real | None) -> torch.Tensor:
+    def _call(
+        self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: torch.Tensor | numbers.Real | None
+    ) -> torch.Tensor:
         lm_head = self.lm_head
         assert lm_head is not None  # __call__ checked it
 
@@ -190,8 +200,13 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
             else:
                 lm_head.__dict__["forward"] = saved
 
-    def _loss(self, lm_head: nn.Module, hidden: torch.Tensor, target: torch.Tensor,
-              global_valid_tokens: torch.Tensor | numbers.Real | None) -> torch.Tensor:
+    def _loss(
+        self,
+        lm_head: nn.Module,
+        hidden: torch.Tensor,
+        target: torch.Tensor,
+        global_valid_tokens: torch.Tensor | numbers.Real | None,
+    ) -> torch.Tensor:
         c = self.config
         weight, bias = cast(torch.Tensor, lm_head.weight), getattr(lm_head, "bias", None)  # set_lm_head checked it
         kw: dict[str, Any] = {k: getattr(c, k) for k in _OPTIONS}
@@ -202,23 +217,30 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
         if is_dtensor(weight):  # partial_dtensor / full_dtensor: flce_dist reads the layout off the DTensors
             return _flce(hidden, weight, target, bias=bias, vocab_size=self.global_vocab_size, **kw)
         if is_dtensor(hidden):
-            raise TypeError("pred is a DTensor but lm_head.weight is a plain tensor: expected the layouts of one "
-                            "torchtitan spmd backend (DTensor weight with partial_dtensor/full_dtensor)")
+            raise TypeError(
+                "pred is a DTensor but lm_head.weight is a plain tensor: expected the layouts of one "
+                "torchtitan spmd backend (DTensor weight with partial_dtensor/full_dtensor)"
+            )
         if get_spmd_backend() == "spmd_types" and spmd_mesh_size("tp") > 1:
             group = current_spmd_mesh().get_group("tp")
             v = self.global_vocab_size
             if v is None:
-                raise ValueError("FusedLinearCrossEntropyLoss.Config.global_vocab_size is required under "
-                                 "spmd_types tensor parallelism (lm_head.weight holds only this rank's rows)")
+                raise ValueError(
+                    "FusedLinearCrossEntropyLoss.Config.global_vocab_size is required under "
+                    "spmd_types tensor parallelism (lm_head.weight holds only this rank's rows)"
+                )
             p, r = dist.get_world_size(group), dist.get_rank(group)
             start, rows = chunk_span(v, p, r)
             if weight.shape[0] != rows:
-                raise ValueError(f"lm_head.weight has {weight.shape[0]} rows on tp rank {r} of {p}, but "
-                                 f"global_vocab_size={v} split as torchtitan does (ceil(V/P) rows per rank) gives "
-                                 f"{rows}")
+                raise ValueError(
+                    f"lm_head.weight has {weight.shape[0]} rows on tp rank {r} of {p}, but "
+                    f"global_vocab_size={v} split as torchtitan does (ceil(V/P) rows per rank) gives "
+                    f"{rows}"
+                )
             # torchtitan reduces the hidden gradient over tp at its norm boundary: hand back the partial
-            return _flce(hidden, weight, target, bias=bias, group=group, vocab_start=start, vocab_size=v,
-                         partial_dx=True, **kw)
+            return _flce(
+                hidden, weight, target, bias=bias, group=group, vocab_start=start, vocab_size=v, partial_dx=True, **kw
+            )
         return _flce(hidden, weight, target, bias=bias, vocab_size=self.global_vocab_size, **kw)
 
 
@@ -227,8 +249,11 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
 _eager_call = torch._disable_dynamo(FusedLinearCrossEntropyLoss._call)
 
 
-@override(target=BaseLoss.Config, fqns=["loss"],
-          description="flce_dist: fused vocab-parallel linear cross entropy (no logits)")
+@override(
+    target=BaseLoss.Config,
+    fqns=["loss"],
+    description="flce_dist: fused vocab-parallel linear cross entropy (no logits)",
+)
 def fused_linear_cross_entropy(cfg: BaseLoss.Config, **options: Any) -> FusedLinearCrossEntropyLoss.Config:
     """torchtitan override (``--override.imports flce_dist.integrations.torchtitan.fused_linear_cross_entropy``):
     replaces the trainer's ``loss`` (a ``ChunkedLossWrapper`` around ``CrossEntropyLoss``, or a plain
@@ -242,7 +267,9 @@ def fused_linear_cross_entropy(cfg: BaseLoss.Config, **options: Any) -> FusedLin
         return dataclasses.replace(cfg, **options)
     inner = cfg.loss_fn if isinstance(cfg, ChunkedLossWrapper.Config) else cfg
     if type(inner) is not CrossEntropyLoss.Config:
-        raise ValueError(f"flce_dist.integrations.torchtitan.fused_linear_cross_entropy replaces a cross-entropy loss "
-                         f"(CrossEntropyLoss, or ChunkedLossWrapper around it); the config's loss is "
-                         f"{type(cfg).__qualname__} around {type(inner).__qualname__}")
+        raise ValueError(
+            f"flce_dist.integrations.torchtitan.fused_linear_cross_entropy replaces a cross-entropy loss "
+            f"(CrossEntropyLoss, or ChunkedLossWrapper around it); the config's loss is "
+            f"{type(cfg).__qualname__} around {type(inner).__qualname__}"
+        )
     return FusedLinearCrossEntropyLoss.Config(global_vocab_size=inner.global_vocab_size, **options)

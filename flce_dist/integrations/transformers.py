@@ -73,8 +73,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import fused_linear_cross_entropy
-from ..distributed import (CopyToGroup, GatherVocab, ReduceFromGroup, all_gather_rows_uneven, group_rank, group_size,
-                           shard_sizes, vocab_shard)
+from ..distributed import (
+    CopyToGroup,
+    GatherVocab,
+    ReduceFromGroup,
+    all_gather_rows_uneven,
+    group_rank,
+    group_size,
+    shard_sizes,
+    vocab_shard,
+)
 from ..distributed.shard import local_rows
 from ..modules import VocabParallelLMHead
 from ..options import LossOptions
@@ -161,8 +169,9 @@ def _head_loss(head: nn.Module, hidden: torch.Tensor, target: torch.Tensor, opti
         bias = None if bias is None else bias.to(dt)
     elif hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
-    return fused_linear_cross_entropy(hidden, weight, target, bias=bias, group=group, vocab_start=start,
-                                      **{"vocab_size": vocab, **options})
+    return fused_linear_cross_entropy(
+        hidden, weight, target, bias=bias, group=group, vocab_start=start, **{"vocab_size": vocab, **options}
+    )
 
 
 def _patched_head_forward(self, input, *args, flce_target=None, flce_options=None, **kwargs):
@@ -197,7 +206,11 @@ def _patched_embedding_forward(self, input, *args, **kwargs):
     inside = (input >= tp.start) & (input < tp.end)
     if tp.end > tp.start:
         local = torch.where(inside, input - tp.start, torch.zeros_like(input))
-        out = previous(local, *args, **kwargs) if previous is not None else type(self).forward(self, local, *args, **kwargs)
+        out = (
+            previous(local, *args, **kwargs)
+            if previous is not None
+            else type(self).forward(self, local, *args, **kwargs)
+        )
         out = out.masked_fill(~inside.unsqueeze(-1), 0)
     else:  # an empty shard (DTensor's split can leave the last ranks none)
         out = self.weight.new_zeros((*input.shape, self.weight.shape[-1]))
@@ -214,12 +227,16 @@ def _install_forward(module: nn.Module, patched) -> None:
 
 def _check_tied_embedding(emb: nn.Module) -> None:
     if not isinstance(emb, nn.Embedding):
-        raise ValueError(f"apply(model, group=...) with a tied lm_head shards the input embedding too, which must be "
-                         f"an nn.Embedding; got {type(emb).__name__}")
+        raise ValueError(
+            f"apply(model, group=...) with a tied lm_head shards the input embedding too, which must be "
+            f"an nn.Embedding; got {type(emb).__name__}"
+        )
     if emb.max_norm is not None or emb.scale_grad_by_freq:
-        raise ValueError("apply(model, group=...) with a tied lm_head: the input embedding's max_norm / "
-                         "scale_grad_by_freq need every row's lookups on one rank; the vocab-parallel embedding "
-                         "does not support them")
+        raise ValueError(
+            "apply(model, group=...) with a tied lm_head: the input embedding's max_norm / "
+            "scale_grad_by_freq need every row's lookups on one rank; the vocab-parallel embedding "
+            "does not support them"
+        )
 
 
 def _load_shard_rows(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
@@ -317,7 +334,9 @@ def _output_class():
 
 def _fused_forward(self, *args, **kwargs):
     state: _State = self.__dict__["_flce_state"]
-    original = state.previous_forward if state.previous_forward is not None else types.MethodType(type(self).forward, self)
+    original = (
+        state.previous_forward if state.previous_forward is not None else types.MethodType(type(self).forward, self)
+    )
     sig = inspect.signature(original)
     try:
         bound = sig.bind(*args, **kwargs)
@@ -338,10 +357,15 @@ def _fused_forward(self, *args, **kwargs):
     num_items = extra.pop("num_items_in_batch", None)
     ignore_index = extra.pop("ignore_index", state.options.get("ignore_index", -100))
     shift_labels = extra.pop("shift_labels", None)
-    if state.moe and (call.get("output_router_logits") or extra.get("output_router_logits")
-                      or getattr(self.config, "output_router_logits", False)):
-        raise NotImplementedError("flce_dist.integrations.transformers does not add the MoE router aux loss; "
-                                  "set output_router_logits=False or use the unpatched model")
+    if state.moe and (
+        call.get("output_router_logits")
+        or extra.get("output_router_logits")
+        or getattr(self.config, "output_router_logits", False)
+    ):
+        raise NotImplementedError(
+            "flce_dist.integrations.transformers does not add the MoE router aux loss; "
+            "set output_router_logits=False or use the unpatched model"
+        )
 
     base = getattr(self, self.base_model_prefix)
     base_sig = inspect.signature(base.forward)
@@ -389,8 +413,10 @@ def _next_tokens(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def _model_type(model: PreTrainedModel) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
-                         f"supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model_type {model_type!r} ({type(model).__name__}) is not supported; "
+            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
     return model_type
 
 
@@ -423,8 +449,10 @@ def apply(model: PreTrainedModel, group: dist.ProcessGroup | None = None, **loss
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     if model.get_output_embeddings() is None and hasattr(model, "layers"):
-        raise TypeError(f"model is a bare {type(model).__name__} (no lm_head): pass a *ForCausalLM "
-                        f"(e.g. {type(model).__name__.replace('Model', '')}ForCausalLM), whose lm_head the loss uses")
+        raise TypeError(
+            f"model is a bare {type(model).__name__} (no lm_head): pass a *ForCausalLM "
+            f"(e.g. {type(model).__name__.replace('Model', '')}ForCausalLM), whose lm_head the loss uses"
+        )
     model_type = _model_type(model)
     if not isinstance(getattr(model, getattr(model, "base_model_prefix", ""), None), nn.Module):
         raise ValueError(f"{type(model).__name__} has no base model attribute {model.base_model_prefix!r}")
@@ -443,7 +471,9 @@ def apply(model: PreTrainedModel, group: dist.ProcessGroup | None = None, **loss
         _shard_model(model, head, group)
 
     model.__dict__["_flce_state"] = _State(
-        options=dict(loss_options), transform=SUPPORTED_MODEL_TYPES[model_type], moe=model_type in _MOE_TYPES,
+        options=dict(loss_options),
+        transform=SUPPORTED_MODEL_TYPES[model_type],
+        moe=model_type in _MOE_TYPES,
         previous_forward=model.__dict__.get("forward"),
     )
     original = model.__dict__.get("forward") or type(model).forward
@@ -460,9 +490,16 @@ def apply(model: PreTrainedModel, group: dist.ProcessGroup | None = None, **loss
 _LOGPROB_OPTIONS = ("ignore_index", "softcap", "deterministic")  # what apply()'s options may add to log-probs
 
 
-def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
-                         attention_mask: torch.Tensor | None = None, temperature: float = 1.0,
-                         ignore_index: int = -100, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    *,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    **model_kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position ``(logp, entropy)`` of a supported ``*ForCausalLM`` (``apply`` called or not),
     float32 ``[B, T]``, both differentiable, without the ``[B, T, V]`` logits:
 

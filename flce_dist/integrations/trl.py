@@ -82,9 +82,11 @@ def _trl_utils():
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("flce_dist.integrations.trl needs TRL (pip install trl==1.16.0)") from e
     if not hasattr(utils, "_ChunkedLogProbFunction") or not hasattr(utils, "DTensor"):
-        raise RuntimeError("flce_dist.integrations.trl: this TRL has no trl.trainer.utils._ChunkedLogProbFunction / "
-                           "DTensor (the fused LM head of TRL 1.16); installed TRL: "
-                           f"{getattr(__import__('trl'), '__version__', '?')}")
+        raise RuntimeError(
+            "flce_dist.integrations.trl: this TRL has no trl.trainer.utils._ChunkedLogProbFunction / "
+            "DTensor (the fused LM head of TRL 1.16); installed TRL: "
+            f"{getattr(__import__('trl'), '__version__', '?')}"
+        )
     return utils
 
 
@@ -118,8 +120,12 @@ def _vocab_shard_layout(t: DTensor) -> bool:
 
     placements = t.placements
     shards = [p for p in placements if isinstance(p, Shard)]
-    return (len(shards) == 1 and shards[0].dim == 0 and type(shards[0]) is Shard
-            and all(isinstance(p, (Shard, Replicate)) for p in placements))
+    return (
+        len(shards) == 1
+        and shards[0].dim == 0
+        and type(shards[0]) is Shard
+        and all(isinstance(p, (Shard, Replicate)) for p in placements)
+    )
 
 
 def _keeps_shard(t: object) -> bool:
@@ -163,9 +169,17 @@ def _fallback_reason(outputs, temperature, final_logit_softcapping, logit_scale)
     return None
 
 
-def chunked_logprob(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                    temperature: float, chunk_size: int = 32768, final_logit_softcapping: float | None = None,
-                    logit_scale: float = 1.0, outputs: tuple[str, ...] = FIELDS[1:]):
+def chunked_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int = 32768,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    outputs: tuple[str, ...] = FIELDS[1:],
+):
     """TRL's ``_ChunkedLogProbFunction.apply`` (same arguments, same five outputs) on flce_dist.
 
     ``hidden [N, H]``, ``weight [V, H]`` (or a vocab-sharded DTensor), ``bias [V]`` or None,
@@ -179,8 +193,10 @@ def chunked_logprob(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if unknown:
         raise ValueError(f"outputs: unknown fields {unknown}; TRL's fields are {list(FIELDS)}")
     if not isinstance(targets, torch.Tensor) or targets.dim() != 1:
-        raise ValueError(f"targets must be a 1-D tensor [N], got "
-                         f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}")
+        raise ValueError(
+            f"targets must be a 1-D tensor [N], got "
+            f"{tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__}"
+        )
     if hidden.dim() != 2 or hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"hidden must be [N, H] with N = len(targets) = {targets.shape[0]}, got {tuple(hidden.shape)}")
     if _fallback_reason(outputs, temperature, final_logit_softcapping, logit_scale) is not None:
@@ -189,8 +205,9 @@ def chunked_logprob(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         if isinstance(weight, DTensor):  # TRL's function takes the full head: what unpatched TRL does
             weight = weight.full_tensor()
             bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-        return _original_function().apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                          final_logit_softcapping, logit_scale, outputs)
+        return _original_function().apply(
+            hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+        )
     device_type = hidden.device.type
     autocast = torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else hidden.dtype  # TRL's compute dtype
@@ -198,8 +215,9 @@ def chunked_logprob(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     bias = None if bias is None else bias.to(dtype)
     softcap = None if final_logit_softcapping is None else final_logit_softcapping / logit_scale
     with torch.autocast(device_type, enabled=False) if autocast else contextlib.nullcontext():
-        log_probs, entropy = logprobs_and_entropy(hidden, weight, targets, temperature=temperature / logit_scale,
-                                                  softcap=softcap, bias=bias)
+        log_probs, entropy = logprobs_and_entropy(
+            hidden, weight, targets, temperature=temperature / logit_scale, softcap=softcap, bias=bias
+        )
     return log_probs, entropy if "entropy" in outputs else None, None, None, None
 
 

@@ -85,11 +85,19 @@ BOUND_MODULES = ("verl.models.mcore.model_forward_fused", "verl.models.mcore.mod
 _REDUCTIONS = ("none", "sum", "mean")
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         temperature: float = 1.0, reduction: str = "none",
-                         dist_process_group: dist.ProcessGroup | None = None, *,
-                         vocab_start: int | None = None, vocab_size: int | None = None, ignore_index: int = -100,
-                         full_grad_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group: dist.ProcessGroup | None = None,
+    *,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    ignore_index: int = -100,
+    full_grad_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """verl's ``linear_cross_entropy(hidden, weight, labels, temperature, reduction,
     dist_process_group) -> (logprobs, entropy)`` on :func:`flce_dist.logprobs_and_entropy`
     (see the module docstring for the contract, collectives and memory).
@@ -107,21 +115,27 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"linear_cross_entropy: {name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
-        raise ValueError(f"linear_cross_entropy: reduction must be 'none', 'sum' or 'mean' (any case), got {reduction!r}")
+        raise ValueError(
+            f"linear_cross_entropy: reduction must be 'none', 'sum' or 'mean' (any case), got {reduction!r}"
+        )
     reduction = reduction.lower()
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"linear_cross_entropy: temperature must be a positive float, got {type(temperature).__name__}")
     if dist_process_group is not None and not isinstance(dist_process_group, dist.ProcessGroup):
-        raise TypeError("linear_cross_entropy: dist_process_group must be a torch.distributed.ProcessGroup or None, "
-                        f"got {type(dist_process_group).__name__}")
+        raise TypeError(
+            "linear_cross_entropy: dist_process_group must be a torch.distributed.ProcessGroup or None, "
+            f"got {type(dist_process_group).__name__}"
+        )
     if hidden.dim() < 1 or hidden.shape[-1] == 0:
         raise ValueError(f"linear_cross_entropy: hidden must have shape [..., H] with H > 0, got {tuple(hidden.shape)}")
     dtensor = any(is_dtensor(t) for t in (hidden, weight, labels))
     if not dtensor:  # verl flattens both; the outputs stay [N]
         h = hidden.shape[-1]
         if labels.numel() * h != hidden.numel():
-            raise ValueError(f"linear_cross_entropy: labels has {labels.numel()} elements but hidden "
-                             f"{tuple(hidden.shape)} has {hidden.numel() // h} tokens (N = hidden.numel() / H)")
+            raise ValueError(
+                f"linear_cross_entropy: labels has {labels.numel()} elements but hidden "
+                f"{tuple(hidden.shape)} has {hidden.numel() // h} tokens (N = hidden.numel() / H)"
+            )
         hidden, labels = hidden.reshape(-1, h), labels.reshape(-1)
         p = group_size(dist_process_group)
         if dist_process_group is not None and vocab_start is None and vocab_size is None:
@@ -131,9 +145,17 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         partial = p > 1 and not full_grad_hidden  # verl's convention: the caller sums the partial dX
     else:
         partial = False
-    logprobs, entropy = logprobs_and_entropy(hidden, weight, labels, temperature=float(temperature),
-                                             group=dist_process_group, vocab_start=vocab_start, vocab_size=vocab_size,
-                                             ignore_index=ignore_index, partial_dx=partial)
+    logprobs, entropy = logprobs_and_entropy(
+        hidden,
+        weight,
+        labels,
+        temperature=float(temperature),
+        group=dist_process_group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        ignore_index=ignore_index,
+        partial_dx=partial,
+    )
     if dtensor:
         logprobs, entropy = logprobs.reshape(-1), entropy.reshape(-1)
     if reduction == "sum":
@@ -151,8 +173,10 @@ def _kernel_module():
     try:
         import verl.utils.kernel.linear_cross_entropy as mod
     except ImportError as exc:
-        raise ImportError("flce_dist.integrations.verl.patch() needs verl (pip install verl==0.9.1; importing verl "
-                          f"needs ray, tensordict and omegaconf): {exc}") from exc
+        raise ImportError(
+            "flce_dist.integrations.verl.patch() needs verl (pip install verl==0.9.1; importing verl "
+            f"needs ray, tensordict and omegaconf): {exc}"
+        ) from exc
     return mod
 
 
@@ -171,8 +195,11 @@ def patch() -> list[str]:
         if mod.linear_cross_entropy is not linear_cross_entropy:
             _originals[name] = mod.linear_cross_entropy
             mod.linear_cross_entropy = linear_cross_entropy
-    return [n for n in (KERNEL_MODULE, *BOUND_MODULES)
-            if getattr(sys.modules.get(n), "linear_cross_entropy", None) is linear_cross_entropy]
+    return [
+        n
+        for n in (KERNEL_MODULE, *BOUND_MODULES)
+        if getattr(sys.modules.get(n), "linear_cross_entropy", None) is linear_cross_entropy
+    ]
 
 
 def unpatch() -> None:

@@ -20,12 +20,13 @@ loss's and the entropy's gradients leave in one pass (``[1]`` dummies without).
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from ..formulas import transform
 from .common import LOG2E, SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)
@@ -48,8 +49,7 @@ def chunk_grad_(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, v = z.size()
     ct = torch.float64 if z.dtype == torch.float64 else torch.float32  # compute dtype
-    absmax = torch.empty([(v + block_v - 1) // block_v if with_absmax else 1, n], dtype=torch.float32,
-                         device=z.device)
+    absmax = torch.empty([(v + block_v - 1) // block_v if with_absmax else 1, n], dtype=torch.float32, device=z.device)
     for tile_n, tile_v in hl.tile([n, v], block_size=[block_n, block_v]):
         y = z[tile_n, tile_v].to(ct) * scale
         if softcap > 0:
@@ -58,9 +58,11 @@ def chunk_grad_(
         g_t = g[tile_n].to(ct)
         p = torch.exp2(y * LOG2E - (lse_t * LOG2E)[:, None])  # exp(y - lse): kernels/common.py
         hit = tile_v.index[None, :] == target_local[tile_n][:, None]
-        dy = (g_t * (1.0 + two_zl * lse_t))[:, None] * p - torch.where(
-            hit, (g_t * one_minus_eps)[:, None], 0.0
-        ) - (g_t * eps_over_v)[:, None]
+        dy = (
+            (g_t * (1.0 + two_zl * lse_t))[:, None] * p
+            - torch.where(hit, (g_t * one_minus_eps)[:, None], 0.0)
+            - (g_t * eps_over_v)[:, None]
+        )
         if with_ent:
             dy = dy - gh[tile_n].to(ct)[:, None] * p * (y - mu[tile_n].to(ct)[:, None])
         if softcap > 0:
@@ -74,16 +76,29 @@ def chunk_grad_(
     return z, absmax
 
 
-def chunk_grad_reference_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
-                          scale: float, eps_over_v: float, one_minus_eps: float, two_zl: float,
-                          softcap: float, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_grad_reference_(
+    z: torch.Tensor,
+    target_local: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    eps_over_v: float,
+    one_minus_eps: float,
+    two_zl: float,
+    softcap: float,
+    mu: torch.Tensor | None = None,
+    gh: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The kernel's math in torch, in place on ``z`` (used for size-1 dims and by the tests)."""
     if z.numel() == 0:
         return z
     y = transform(z, scale, softcap)
     onehot = torch.arange(z.shape[1], device=z.device)[None, :] == target_local[:, None]
-    dy = ((g * (1 + two_zl * lse))[:, None] * torch.exp(y - lse[:, None]) - onehot * (g * one_minus_eps)[:, None]
-          - (g * eps_over_v)[:, None])
+    dy = (
+        (g * (1 + two_zl * lse))[:, None] * torch.exp(y - lse[:, None])
+        - onehot * (g * one_minus_eps)[:, None]
+        - (g * eps_over_v)[:, None]
+    )
     if gh is not None:
         assert mu is not None  # the entropy's gradient comes with its mean
         dy = dy - gh[:, None] * torch.exp(y - lse[:, None]) * (y - mu[:, None])

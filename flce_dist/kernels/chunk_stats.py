@@ -31,12 +31,13 @@ out-of-bounds rows are not stored.
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from ..formulas import acc_dtype, transform
 from .common import LN2, LOG2E, SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)
@@ -101,8 +102,9 @@ def target_logit(z: torch.Tensor, target_local: torch.Tensor, scale: float, soft
     return torch.where(hit, transform(zt, scale, softcap), torch.zeros((), dtype=acc_dtype(z.dtype), device=z.device))
 
 
-def chunk_stats_reference(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float,
-                          with_sum: bool, with_ent: bool = False) -> tuple[torch.Tensor, ...]:
+def chunk_stats_reference(
+    z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool, with_ent: bool = False
+) -> tuple[torch.Tensor, ...]:
     """The kernel's math in torch: ``(lse, tgt, sumy, ymax, ent)`` of ``z [Nc, V]``. Used where the
     kernel cannot run (Helion 1.4 mis-compiles size-1 dims) and by the tests. An empty chunk or shard
     gives lse = max = -inf and zero sums and entropy."""

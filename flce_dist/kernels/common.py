@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 
 from .._helion_compat import helion
-
 from ..reference_mode import helion_settings
 
 # (plus ``ref_mode`` in Helion's reference mode: ``reference_mode.py``, which switches kernels made before it)

@@ -18,11 +18,12 @@ open, untouched where closed), target_local [Nc] int32 (-1: no target here), lse
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import LOG2E, SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee", **SETTINGS)  # N, V at run time: kernels/README
@@ -58,9 +59,17 @@ def dz_gated(
     return dz
 
 
-def dz_gated_reference(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, target_local: torch.Tensor,
-                       lse: torch.Tensor, g: torch.Tensor, gate: torch.Tensor, scale: float,
-                       two_zl: float) -> torch.Tensor:
+def dz_gated_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    dz: torch.Tensor,
+    target_local: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    gate: torch.Tensor,
+    scale: float,
+    two_zl: float,
+) -> torch.Tensor:
     """The kernel's math in torch (size-1 dims, and the tests); the gate as a select."""
     from .chunk_grad import chunk_grad_reference_
 

@@ -80,8 +80,11 @@ def _knob_state() -> tuple[Any, ...]:
     key: ``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode`` and a stages inspection hook
     (``knobs.runtime.add_stages_inspection_hook``). Read per launch (environment variables or set values)."""
     rt = _runtime_knobs()
-    return (rt.debug, getattr(_compilation_knobs(), "instrumentation_mode", None),
-            getattr(rt, "add_stages_inspection_hook", None))
+    return (
+        rt.debug,
+        getattr(_compilation_knobs(), "instrumentation_mode", None),
+        getattr(rt, "add_stages_inspection_hook", None),
+    )
 
 
 def _hooks_active() -> bool:
@@ -126,8 +129,9 @@ def _spec(args: tuple[Any, ...], constexpr: tuple[bool, ...]) -> tuple[Any, ...]
     return tuple(key)
 
 
-def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int,
-             **kwargs: Any) -> Any:
+def launcher(
+    triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, num_stages: int, **kwargs: Any
+) -> Any:
     """Drop-in for ``helion.runtime.default_launcher`` (the ``_launcher=`` of a Helion host function)."""
     spec = None
     if not (kwargs or triton_kernel.pre_run_hooks or _hooks_active()) and len(args) == len(triton_kernel.params):
@@ -147,6 +151,7 @@ def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: i
     k = got[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    k.run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(dev), k.function, k.packed_metadata, None, None, None,
-          *args)
+    k.run(
+        grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(dev), k.function, k.packed_metadata, None, None, None, *args
+    )
     return k

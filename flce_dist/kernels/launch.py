@@ -35,15 +35,16 @@ from __future__ import annotations
 
 import json
 import warnings
-from functools import lru_cache
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..chunking import chunk_rows
-from . import fast_launch
 from ..settings import Settings
+from . import fast_launch
 
 # lse_forward's ``store`` constexpr (literals in the kernel)
 STORE_NONE, STORE_LOGITS, STORE_EXP = 0, 1, 2
@@ -56,11 +57,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "block": {"block_n": 256, "block_v": 128, "block_h": 64},
         "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8]},
     },
-    "chunk_stats": {"block": {"block_n": 16, "block_s": 2048, "block_v": 512}, "config": {"num_warps": 8, "num_stages": 2}},
+    "chunk_stats": {
+        "block": {"block_n": 16, "block_s": 2048, "block_v": 512},
+        "config": {"num_warps": 8, "num_stages": 2},
+    },
     "chunk_grad": {"block": {"block_n": 32, "block_v": 256}, "config": {"num_warps": 8, "num_stages": 2}},
     # the gradient filter's block-sparse matmuls (not tuned yet: a first guess for sm90)
     # (block_n, block_v: the filter's mask blocks, which the dX and dW launches map onto block_m, block_k)
-    "masked_mm": {"block": {"block_n": 128, "block_v": 64, "block_h": 128}, "config": {"num_warps": 8, "num_stages": 3}},
+    "masked_mm": {
+        "block": {"block_n": 128, "block_v": 64, "block_h": 128},
+        "config": {"num_warps": 8, "num_stages": 3},
+    },
     # a streaming pass, one tile per program: 128 bf16 per thread; run 18 (scale_probe), 1 GiB bf16:
     # grad_output 1 0.103 ms (4096-element tiles: 0.202), other values 0.548 ms = 3.84 TB/s (4096:
     # 0.672; torch._foreach_mul_ 0.781)
@@ -77,9 +84,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "token_rows": {"block": {"block_n": 1024}, "config": {"num_warps": 4, "num_stages": 1}},
     # the row-scale form's fallback, closed in the common case: persistent programs (a closed gate
     # costs a scalar read per tile step), the store pass's blocks when open
-    "dz_gated": {"block": {"block_n": 128, "block_v": 256, "block_h": 64},
-                 "config": {"num_warps": 8, "num_stages": 3, "indexing": "tensor_descriptor", "l2_groupings": [8],
-                            "pid_type": "persistent_interleaved"}},
+    "dz_gated": {
+        "block": {"block_n": 128, "block_v": 256, "block_h": 64},
+        "config": {
+            "num_warps": 8,
+            "num_stages": 3,
+            "indexing": "tensor_descriptor",
+            "l2_groupings": [8],
+            "pid_type": "persistent_interleaved",
+        },
+    },
     # the logits passes' target logits: 64 programs at a 8192-row call; block_h is always the calling
     # pass's own (the bits depend on it), set by lse_forward below
     "target_dot": {"block": {"block_n": 128, "block_h": 64}, "config": {"num_warps": 8, "num_stages": 3}},
@@ -99,11 +113,20 @@ CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "target_dot": {"block": {"block_n": 512, "block_h": 4096}, "config": {}},
 }
 # the kernels' trailing constexpr block-size arguments, in order
-BLOCK_ORDER = {"lse_forward": ("block_n", "block_v", "block_h"), "chunk_stats": ("block_n", "block_s", "block_v"),
-               "chunk_grad": ("block_n", "block_v"), "masked_mm": ("block_m", "block_k", "block_h"), "scale": ("block",),
-               "dz_gated": ("block_n", "block_v", "block_h"), "row_scale": ("block_n", "block_h"),
-               "merge": ("block_n", "block_t"), "row_prepare": ("block_n",),
-               "target_rows": ("block_n",), "token_rows": ("block_n",), "target_dot": ("block_n", "block_h")}
+BLOCK_ORDER = {
+    "lse_forward": ("block_n", "block_v", "block_h"),
+    "chunk_stats": ("block_n", "block_s", "block_v"),
+    "chunk_grad": ("block_n", "block_v"),
+    "masked_mm": ("block_m", "block_k", "block_h"),
+    "scale": ("block",),
+    "dz_gated": ("block_n", "block_v", "block_h"),
+    "row_scale": ("block_n", "block_h"),
+    "merge": ("block_n", "block_t"),
+    "row_prepare": ("block_n",),
+    "target_rows": ("block_n",),
+    "token_rows": ("block_n",),
+    "target_dot": ("block_n", "block_h"),
+}
 
 
 def arch_of(device: torch.device) -> str:
@@ -162,7 +185,7 @@ def config_files(arch: str, config_dir: str | None = None, helion: str | None = 
     return [root / n for n in names if (root / n).is_file()]
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_configs(arch: str, config_dir: str | None = None, helion: str | None = None) -> dict[str, Any]:
     """The merged config table for ``arch`` (``config_files``): ``{kernel: {class key: entry}}``.
     ``helion`` names the series whose overlay is read (default: the installed helion's)."""
@@ -177,8 +200,14 @@ def dtype_class(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}[dtype]
 
 
-def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = "", h: int | None = None,
-          settings: Settings = Settings()) -> dict[str, Any]:
+def entry(
+    kernel: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    variant: str = "",
+    h: int | None = None,
+    settings: Settings = Settings(),
+) -> dict[str, Any]:
     """The shipped entry for ``kernel`` on ``device`` at ``dtype`` (``default`` if none).
     ``variant`` (e.g. ``"store"``: ``lse_forward`` writing the logits too) looks up
     ``<kernel>_<variant>`` first and falls back to the kernel's own entries; a variant with an
@@ -196,13 +225,17 @@ def entry(kernel: str, device: torch.device, dtype: torch.dtype, variant: str = 
     fallback = (CPU_DEFAULTS if arch == "cpu" else DEFAULTS)[kernel]
     dc = dtype_class(dtype)
     keys = ([f"{dc}@h{h}"] if h is not None else []) + [dc]
-    e = (next((sp[k] for sp in specials for k in keys if k in sp), None)
-         or next((table[k] for k in keys if k in table), None) or table.get("default") or fallback)
+    e = (
+        next((sp[k] for sp in specials for k in keys if k in sp), None)
+        or next((table[k] for k in keys if k in table), None)
+        or table.get("default")
+        or fallback
+    )
     block = {**fallback["block"], **e.get("block", {}), **settings.block_overrides(kernel)}
     return {"block": block, "config": e.get("config", {})}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _kernels() -> dict[str, Any]:
     """The Helion kernels, imported on first use (Helion reads HELION_INTERPRET when they are made)."""
     from .chunk_grad import chunk_grad_
@@ -212,16 +245,26 @@ def _kernels() -> dict[str, Any]:
     from .masked_mm import masked_mm
     from .merge import merge_stats
     from .row_prepare import row_prepare
-    from .targets import target_rows
-    from .token_loss import token_rows
     from .row_scale import row_scale
     from .scale import scale_
     from .target_dot import target_dot
+    from .targets import target_rows
+    from .token_loss import token_rows
 
-    return {"lse_forward": lse_forward_partials, "target_dot": target_dot, "chunk_stats": chunk_stats_partials,
-            "chunk_grad": chunk_grad_,
-            "masked_mm": masked_mm, "scale": scale_, "dz_gated": dz_gated, "row_scale": row_scale,
-            "merge": merge_stats, "row_prepare": row_prepare, "target_rows": target_rows, "token_rows": token_rows}
+    return {
+        "lse_forward": lse_forward_partials,
+        "target_dot": target_dot,
+        "chunk_stats": chunk_stats_partials,
+        "chunk_grad": chunk_grad_,
+        "masked_mm": masked_mm,
+        "scale": scale_,
+        "dz_gated": dz_gated,
+        "row_scale": row_scale,
+        "merge": merge_stats,
+        "row_prepare": row_prepare,
+        "target_rows": target_rows,
+        "token_rows": token_rows,
+    }
 
 
 # id(bound kernel) -> the config dict it runs (CUDA; None on CPU, where reference mode takes no config). Helion
@@ -251,8 +294,10 @@ def _ensure_mode(device: torch.device) -> None:
         from ..reference_mode import reference_mode_active, setup_reference_mode
 
         if not reference_mode_active():
-            raise RuntimeError("flce_dist kernels on CPU tensors run in Helion's reference mode: call "
-                               "flce_dist.setup_reference_mode() first (or set HELION_INTERPRET=1)")
+            raise RuntimeError(
+                "flce_dist kernels on CPU tensors run in Helion's reference mode: call "
+                "flce_dist.setup_reference_mode() first (or set HELION_INTERPRET=1)"
+            )
         setup_reference_mode()  # idempotent: the CPU aten::mm.dtype that reference-mode hl.dot needs
 
 
@@ -260,7 +305,9 @@ def _ensure_mode(device: torch.device) -> None:
 # other size is a run-time value (``static_shapes=False``): one bound kernel and a handful of Triton binaries
 # serve every token count and vocabulary chunk (issue 60: a compile per new N cost 2-4 s).
 STATIC_DIMS: dict[str, tuple[tuple[int, int], ...]] = {
-    "lse_forward": ((0, 1),), "target_dot": ((0, 1),), "dz_gated": ((0, 1),),  # x's hidden size
+    "lse_forward": ((0, 1),),
+    "target_dot": ((0, 1),),
+    "dz_gated": ((0, 1),),  # x's hidden size
 }
 
 # The launch cache: (kernel, device, dtype, variant, h, config_dir, block overrides, blocks, argument layout) ->
@@ -274,8 +321,9 @@ _CACHE_MAX = 1024
 _INT32_MAX = 2**31 - 1  # Helion's 64-bit indexing threshold (numel above it)
 
 
-def _arg_key(args: tuple[Any, ...], static: tuple[tuple[int, int], ...] = (), exact: bool = False
-             ) -> tuple[Any, ...] | None:
+def _arg_key(
+    args: tuple[Any, ...], static: tuple[tuple[int, int], ...] = (), exact: bool = False
+) -> tuple[Any, ...] | None:
     """The launch cache's argument key; ``exact``: every size and stride (a ``static_shapes=True`` kernel)."""
     key: list[Any] = []
     for a in args:
@@ -285,8 +333,9 @@ def _arg_key(args: tuple[Any, ...], static: tuple[tuple[int, int], ...] = (), ex
                 key.append((a.dtype, a.device, a.shape, a.stride()))
                 continue
             es = a.element_size()
-            key.append((a.dtype, a.device, tuple((st == 1, st * es % 16 == 0) for st in a.stride()),
-                        a.numel() > _INT32_MAX))
+            key.append(
+                (a.dtype, a.device, tuple((st == 1, st * es % 16 == 0) for st in a.stride()), a.numel() > _INT32_MAX)
+            )
         elif t is int or t is float or t is bool:
             key.append((t, a))
         elif a is None:
@@ -298,18 +347,39 @@ def _arg_key(args: tuple[Any, ...], static: tuple[tuple[int, int], ...] = (), ex
     return tuple(key)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _static_shapes(name: str) -> bool:
     """Whether kernel ``name`` specialises on every size (then the launch cache keys on exact shapes)."""
     return bool(_kernels()[name].settings.static_shapes)
 
 
-def _bind(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
-          variant: str, h: int | None, blocks: dict[str, int] | None) -> tuple[tuple[Any, ...], Any, bool]:
+def _bind(
+    name: str,
+    args: tuple[Any, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    settings: Settings,
+    variant: str,
+    h: int | None,
+    blocks: dict[str, int] | None,
+) -> tuple[tuple[Any, ...], Any, bool]:
     """(the full argument tuple, its bound kernel, whether this is its first call)."""
     arg_key = _arg_key(args, STATIC_DIMS.get(name, ()), _static_shapes(name))
-    key = None if arg_key is None else (name, device, dtype, variant, h, settings.config_dir, settings.blocks,
-                                        None if not blocks else tuple(sorted(blocks.items())), arg_key)
+    key = (
+        None
+        if arg_key is None
+        else (
+            name,
+            device,
+            dtype,
+            variant,
+            h,
+            settings.config_dir,
+            settings.blocks,
+            None if not blocks else tuple(sorted(blocks.items())),
+            arg_key,
+        )
+    )
     hit = None if key is None else _CACHE.get(key)
     if hit is not None:
         if _CONFIGURED.get(id(hit[1])) is not hit[2]:  # another config ran on this bound kernel since
@@ -331,8 +401,16 @@ def _bind(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.d
     return full, bound, first
 
 
-def _launch(name: str, args: tuple[Any, ...], device: torch.device, dtype: torch.dtype, settings: Settings,
-            variant: str = "", h: int | None = None, blocks: dict[str, int] | None = None) -> Any:
+def _launch(
+    name: str,
+    args: tuple[Any, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    settings: Settings,
+    variant: str = "",
+    h: int | None = None,
+    blocks: dict[str, int] | None = None,
+) -> Any:
     """Bind and run kernel ``name`` with its shipped entry (through the launch cache above). No tensor
     object may appear twice in ``args``: Helion 1.4 compiles aliased arguments into one parameter and its
     bind cache does not tell such a call from one with distinct tensors (a later call would read one
@@ -378,7 +456,9 @@ def degenerate(*sizes: int) -> bool:
     return min(sizes) < 2
 
 
-def logits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+def logits(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ w.T (+ bias)`` by cuBLAS, into ``out`` when given."""
     return torch.mm(x, w.T, out=out) if bias is None else torch.addmm(bias, x, w.T, out=out)
 
@@ -404,11 +484,21 @@ def _torch_logits(x: torch.Tensor, v: int, settings: Settings) -> bool:
     return degenerate(*x.shape, v) or cublas_logits(x) or settings.logits_backend == "cublas"
 
 
-def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
-                scale: float, softcap: float, with_sum: bool, settings: Settings,
-                z_out: torch.Tensor | None = None, with_ent: bool = False,
-                exp_ref: torch.Tensor | None = None, w_perm: torch.Tensor | None = None,
-                prepare: Callable[[], Any] | None = None) -> torch.Tensor:
+def lse_forward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    target_local: torch.Tensor,
+    scale: float,
+    softcap: float,
+    with_sum: bool,
+    settings: Settings,
+    z_out: torch.Tensor | None = None,
+    with_ent: bool = False,
+    exp_ref: torch.Tensor | None = None,
+    w_perm: torch.Tensor | None = None,
+    prepare: Callable[[], Any] | None = None,
+) -> torch.Tensor:
     """Per-row ``[N, 4]`` stats (shard lse, target logit, sum of logits, max logit) in float32
     (float64 for float64), ``[N, 5]`` with ``with_ent`` (plus the shard's softmax entropy); the logits
     are written to ``z_out`` [N, V] when given (the fused strategy), else never stored. With
@@ -419,8 +509,9 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     not be there yet), called before the first launch that reads them: after the logits pass itself where
     that pass leaves its target logits to ``target_dot`` (sm_90 without a bias: the pass goes first, its
     targets' host work then overlaps it on an idle GPU), else first."""
-    if prepare is not None and not (bias is None and split_targets(x.device) and w_perm is None
-                                    and not _torch_logits(x, w.shape[0], settings)):
+    if prepare is not None and not (
+        bias is None and split_targets(x.device) and w_perm is None and not _torch_logits(x, w.shape[0], settings)
+    ):
         prepare()
         prepare = None
     if w_perm is not None and _torch_logits(x, w_perm.numel(), settings):
@@ -442,7 +533,7 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
         rows = n if z_out is not None or n == 0 else chunk_rows(n, w.shape[0], x.element_size(), x.device, settings)
         if rows >= n:
             return stats(x, target_local, z_out)
-        return torch.cat([stats(x[i:i + rows], target_local[i:i + rows], None) for i in range(0, n, rows)])
+        return torch.cat([stats(x[i : i + rows], target_local[i : i + rows], None) for i in range(0, n, rows)])
     b = bias if bias is not None else _dummy("bias", w, w.dtype, 1)
     zo = z_out if z_out is not None else _dummy("z", x, x.dtype, 1, 1)
     ref = exp_ref if exp_ref is not None else _dummy("ref", x, torch.float32, 1)
@@ -452,10 +543,31 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
     # the pass that reads W through an index has its own entry (pointer loads for W, not TMA), else "store"'s
     variant = ("store_gather" if w_perm is not None else "store") if z_out is not None else ""
     perm = w_perm.to(torch.int32) if w_perm is not None else _dummy("perm", target_local, torch.int32, 1)
-    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] = _launch("lse_forward", (x, w, b, target_local, zo, ref, perm, float(scale), float(softcap),
-                                    bool(bias is not None), store, bool(with_sum), bool(with_ent), not nt,
-                                    w_perm is not None),
-                    x.device, x.dtype, settings, variant, x.shape[1])
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] = _launch(
+        "lse_forward",
+        (
+            x,
+            w,
+            b,
+            target_local,
+            zo,
+            ref,
+            perm,
+            float(scale),
+            float(softcap),
+            bool(bias is not None),
+            store,
+            bool(with_sum),
+            bool(with_ent),
+            not nt,
+            w_perm is not None,
+        ),
+        x.device,
+        x.dtype,
+        settings,
+        variant,
+        x.shape[1],
+    )
     if prepare is not None:  # the pass does not read the targets (nt): their host work now overlaps it
         prepare()
     if nt:
@@ -464,8 +576,14 @@ def lse_forward(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, tar
         wrows = target_local  # target_dot gathers the targets' rows of w: in w's own order
         if w_perm is not None:
             wrows = torch.where(target_local >= 0, perm[target_local.clamp(min=0).long()], target_local)
-        ptgt = _launch("target_dot", (x, w, wrows, float(scale), float(softcap)), x.device, x.dtype,
-                       settings, blocks={"block_h": block_h})
+        ptgt = _launch(
+            "target_dot",
+            (x, w, wrows, float(scale), float(softcap)),
+            x.device,
+            x.dtype,
+            settings,
+            blocks={"block_h": block_h},
+        )
         parts = (parts[0], parts[1], ptgt, parts[3], parts[4])
     return merge(*parts, with_sum, with_ent, settings)
 
@@ -480,10 +598,20 @@ def gather_bounds(v: int, rows: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def lse_forward_gathered(x: torch.Tensor, w: torch.Tensor, bias_sorted: torch.Tensor | None, perm: torch.Tensor,
-                         target_sorted: torch.Tensor, scale: float, softcap: float, with_sum: bool,
-                         settings: Settings, z_out: torch.Tensor, block_rows: int,
-                         with_ent: bool = False) -> torch.Tensor:
+def lse_forward_gathered(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias_sorted: torch.Tensor | None,
+    perm: torch.Tensor,
+    target_sorted: torch.Tensor,
+    scale: float,
+    softcap: float,
+    with_sum: bool,
+    settings: Settings,
+    z_out: torch.Tensor,
+    block_rows: int,
+    with_ent: bool = False,
+) -> torch.Tensor:
     """:func:`lse_forward` with ``z_out`` on the rows ``w[perm]`` without a copy of ``w[perm]`` (the
     gradient filter's sorted order, ``Settings(filter_order="gather")``): ``perm`` [V] (int32),
     ``bias_sorted`` = ``bias[perm]``, ``target_sorted`` the targets as sorted positions (-1: none here);
@@ -499,8 +627,19 @@ def lse_forward_gathered(x: torch.Tensor, w: torch.Tensor, bias_sorted: torch.Te
     then one ``chunk_stats`` over ``z_out``."""
     v = perm.numel()
     if not (degenerate(*x.shape, v) or cublas_logits(x) or settings.logits_backend == "cublas"):
-        return lse_forward(x, w, bias_sorted, target_sorted, scale, softcap, with_sum, settings, z_out=z_out,
-                           with_ent=with_ent, w_perm=perm)
+        return lse_forward(
+            x,
+            w,
+            bias_sorted,
+            target_sorted,
+            scale,
+            softcap,
+            with_sum,
+            settings,
+            z_out=z_out,
+            with_ent=with_ent,
+            w_perm=perm,
+        )
     bounds = gather_bounds(v, block_rows)
     wbuf = w.new_empty(max((e - s for s, e in bounds), default=0), w.shape[1])
     for s, e in bounds:
@@ -509,8 +648,15 @@ def lse_forward_gathered(x: torch.Tensor, w: torch.Tensor, bias_sorted: torch.Te
     return chunk_stats(z_out, target_sorted, scale, softcap, with_sum, settings, with_ent)
 
 
-def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float, with_sum: bool,
-                settings: Settings, with_ent: bool = False) -> torch.Tensor:
+def chunk_stats(
+    z: torch.Tensor,
+    target_local: torch.Tensor,
+    scale: float,
+    softcap: float,
+    with_sum: bool,
+    settings: Settings,
+    with_ent: bool = False,
+) -> torch.Tensor:
     """Per-row ``[Nc, 4]`` stats (lse, target logit, sum, max) of a materialised logits chunk ``z``;
     ``[Nc, 5]`` with ``with_ent`` (plus the chunk's softmax entropy)."""
     k = 5 if with_ent else 4
@@ -522,14 +668,29 @@ def chunk_stats(z: torch.Tensor, target_local: torch.Tensor, scale: float, softc
 
     blk = entry("chunk_stats", z.device, z.dtype, settings=settings)["block"]
     bs = max(blk["block_v"], blk["block_s"] // blk["block_v"] * blk["block_v"])
-    pmax, psum, psumy, pent = _launch("chunk_stats", (z, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
-                                      z.device, z.dtype, settings, blocks={"block_s": bs})  # split: a multiple of the tile
-    return merge(pmax, psum, target_logit(z, target_local, scale, softcap)[None], psumy, pent, with_sum, with_ent,
-                 settings)
+    pmax, psum, psumy, pent = _launch(
+        "chunk_stats",
+        (z, float(scale), float(softcap), bool(with_sum), bool(with_ent)),
+        z.device,
+        z.dtype,
+        settings,
+        blocks={"block_s": bs},
+    )  # split: a multiple of the tile
+    return merge(
+        pmax, psum, target_logit(z, target_local, scale, softcap)[None], psumy, pent, with_sum, with_ent, settings
+    )
 
 
-def merge(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, psumy: torch.Tensor, pent: torch.Tensor,
-          with_sum: bool, with_ent: bool, settings: Settings) -> torch.Tensor:
+def merge(
+    pmax: torch.Tensor,
+    psum: torch.Tensor,
+    ptgt: torch.Tensor,
+    psumy: torch.Tensor,
+    pent: torch.Tensor,
+    with_sum: bool,
+    with_ent: bool,
+    settings: Settings,
+) -> torch.Tensor:
     """The ``[T, N]`` partials of ``lse_forward`` / ``chunk_stats`` merged into ``[N, 4]`` stats
     (``[N, 5]`` with ``with_ent``) in one launch (kernels/merge.py); float64 and size-1 dims take
     ``lse_forward.merge_partials`` (torch). ``ptgt`` may be one row (``chunk_stats``' target logit):
@@ -539,13 +700,25 @@ def merge(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, psumy: tor
 
         return merge_partials(pmax, psum, ptgt, psumy, pent, with_sum, with_ent)
     out = torch.empty(pmax.shape[1], 5 if with_ent else 4, dtype=torch.float32, device=pmax.device)
-    return _launch("merge", (pmax, psum, ptgt, psumy, pent, out, bool(with_sum), bool(with_ent)), pmax.device,
-                   pmax.dtype, settings)
+    return _launch(
+        "merge", (pmax, psum, ptgt, psumy, pent, out, bool(with_sum), bool(with_ent)), pmax.device, pmax.dtype, settings
+    )
 
 
-def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, scale: float,
-                eps_over_v: float, one_minus_eps: float, two_zl: float, softcap: float,
-                settings: Settings, mu: torch.Tensor | None = None, gh: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_grad_(
+    z: torch.Tensor,
+    target_local: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    eps_over_v: float,
+    one_minus_eps: float,
+    two_zl: float,
+    softcap: float,
+    settings: Settings,
+    mu: torch.Tensor | None = None,
+    gh: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Overwrite the logits chunk ``z`` with its dlogits (see kernels/chunk_grad.py); with ``mu``
     and ``gh`` [Nc] (the global ``sum_v p y`` and dL/dentropy per row) the entropy's gradient too."""
     if z.numel() == 0:
@@ -553,22 +726,62 @@ def chunk_grad_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, 
     if degenerate(*z.shape):
         from .chunk_grad import chunk_grad_reference_
 
-        return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap,
-                                     mu, gh)
+        return chunk_grad_reference_(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, mu, gh)
     return _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh)[0]
 
 
-def _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh,
-                block_v: int | None = None):
+def _chunk_grad(
+    z,
+    target_local,
+    lse,
+    g,
+    scale,
+    eps_over_v,
+    one_minus_eps,
+    two_zl,
+    softcap,
+    settings,
+    mu,
+    gh,
+    block_v: int | None = None,
+):
     with_ent = gh is not None
-    return _launch("chunk_grad", (z, target_local, lse, g, mu if with_ent else g[:1], gh if with_ent else g[:1],
-                                  float(scale), float(eps_over_v), float(one_minus_eps), float(two_zl), float(softcap),
-                                  with_ent, block_v is not None), z.device, z.dtype, settings,
-                   blocks=None if block_v is None else {"block_v": block_v})
+    return _launch(
+        "chunk_grad",
+        (
+            z,
+            target_local,
+            lse,
+            g,
+            mu if with_ent else g[:1],
+            gh if with_ent else g[:1],
+            float(scale),
+            float(eps_over_v),
+            float(one_minus_eps),
+            float(two_zl),
+            float(softcap),
+            with_ent,
+            block_v is not None,
+        ),
+        z.device,
+        z.dtype,
+        settings,
+        blocks=None if block_v is None else {"block_v": block_v},
+    )
 
 
-def dz_gated(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor,
-             g: torch.Tensor, gate: torch.Tensor, scale: float, two_zl: float, settings: Settings) -> torch.Tensor:
+def dz_gated(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    dz: torch.Tensor,
+    target_local: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    gate: torch.Tensor,
+    scale: float,
+    two_zl: float,
+    settings: Settings,
+) -> torch.Tensor:
     """``dz`` [Nc, V] overwritten with the chunk's dlogits recomputed from ``x``, ``w`` where ``gate``
     (a [1] int32 device tensor) is nonzero, left as it is where it is 0 (kernels/dz_gated.py)."""
     if dz.numel() == 0:
@@ -577,12 +790,14 @@ def dz_gated(x: torch.Tensor, w: torch.Tensor, dz: torch.Tensor, target_local: t
         from .dz_gated import dz_gated_reference
 
         return dz_gated_reference(x, w, dz, target_local, lse, g, gate, scale, two_zl)
-    return _launch("dz_gated", (x, w, dz, target_local, lse, g, gate, float(scale), float(two_zl)), x.device,
-                   x.dtype, settings)
+    return _launch(
+        "dz_gated", (x, w, dz, target_local, lse, g, gate, float(scale), float(two_zl)), x.device, x.dtype, settings
+    )
 
 
-def row_scale(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, xw: torch.Tensor,
-              settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+def row_scale(
+    acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, xw: torch.Tensor, settings: Settings
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``dx = round(acc * c[:, None])`` and ``xw = round(x * c[:, None])`` in one pass
     (kernels/row_scale.py: the row-scale form's dX and dW operand)."""
     if x.numel() == 0 or degenerate(*x.shape):
@@ -592,24 +807,60 @@ def row_scale(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Ten
     return _launch("row_scale", (acc, x, c, dx, xw), x.device, x.dtype, settings)
 
 
-def row_prepare(e: torch.Tensor, local: torch.Tensor, st: torch.Tensor, r: torch.Tensor, target_local: torch.Tensor,
-                g: torch.Tensor, scale: float, two_zl: float, max_spread: float, min_c: float, max_target: float,
-                settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+def row_prepare(
+    e: torch.Tensor,
+    local: torch.Tensor,
+    st: torch.Tensor,
+    r: torch.Tensor,
+    target_local: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    two_zl: float,
+    max_spread: float,
+    min_c: float,
+    max_target: float,
+    settings: Settings,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The row-scale form's step for one chunk (kernels/row_prepare.py): the target entries of ``e``
     [Nc, V] rewritten in place; returns the row scales ``c`` [Nc] float32 (as computed) and the gate
     [1] int32 (1 where a row is outside the bounds)."""
     c = torch.empty(r.shape[0], dtype=torch.float32, device=r.device)
     gate = torch.zeros(1, dtype=torch.int32, device=r.device)
     # local[:, 3] (a view: never the same object as st, which it is at TP = 1; kernels/row_prepare.py)
-    _launch("row_prepare", (e.view(-1), local[:, 3], st, r, target_local, g, c, gate, e.shape[1], float(scale),
-                            float(two_zl), float(max_spread), float(min_c), float(max_target)), e.device, e.dtype,
-            settings)
+    _launch(
+        "row_prepare",
+        (
+            e.view(-1),
+            local[:, 3],
+            st,
+            r,
+            target_local,
+            g,
+            c,
+            gate,
+            e.shape[1],
+            float(scale),
+            float(two_zl),
+            float(max_spread),
+            float(min_c),
+            float(max_target),
+        ),
+        e.device,
+        e.dtype,
+        settings,
+    )
     return c, gate
 
 
-def target_rows(target: torch.Tensor, vocab_start: int, v_local: int, vocab_size: int, ignore_index: int,
-                settings: Settings, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def target_rows(
+    target: torch.Tensor,
+    vocab_start: int,
+    v_local: int,
+    vocab_size: int,
+    ignore_index: int,
+    settings: Settings,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(tl, valid, bad)`` for int64 ``target`` [N] (kernels/targets.py): shard-local ids (int32,
     -1 where ignored or on another rank), ``target != ignore_index``, and the valid targets outside
     ``[0, vocab_size)``; written into ``out`` (three [N] tensors of those dtypes) when given."""
@@ -629,13 +880,25 @@ def target_rows(target: torch.Tensor, vocab_start: int, v_local: int, vocab_size
         tl = torch.empty(n, dtype=torch.int32, device=target.device)
         valid = torch.empty(n, dtype=torch.bool, device=target.device)
         bad = torch.empty(n, dtype=torch.bool, device=target.device)
-    _launch("target_rows", (target, tl, valid, bad, int(vocab_start), int(v_local), int(vocab_size), int(ignore_index)),
-            target.device, torch.float32, settings)
+    _launch(
+        "target_rows",
+        (target, tl, valid, bad, int(vocab_start), int(v_local), int(vocab_size), int(ignore_index)),
+        target.device,
+        torch.float32,
+        settings,
+    )
     return tl, valid, bad
 
 
-def token_rows(stats: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor, label_smoothing: float,
-               vocab_size: int, z_loss: float, settings: Settings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_rows(
+    stats: torch.Tensor,
+    valid: torch.Tensor,
+    bad: torch.Tensor,
+    label_smoothing: float,
+    vocab_size: int,
+    z_loss: float,
+    settings: Settings,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, correct, lse)`` per token from the global stats [N, >=4] (kernels/token_loss.py)."""
     one_minus_eps, eps_over_v = 1.0 - label_smoothing, label_smoothing / vocab_size
     if stats.dtype != torch.float32 or degenerate(stats.shape[0]):
@@ -645,9 +908,25 @@ def token_rows(stats: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor, labe
     n = stats.shape[0]
     loss, lse = (torch.empty(n, dtype=torch.float32, device=stats.device) for _ in range(2))
     correct = torch.empty(n, dtype=torch.bool, device=stats.device)
-    _launch("token_rows", (stats, valid, bad, loss, correct, lse, float(one_minus_eps), float(eps_over_v),
-                           float(z_loss), bool(label_smoothing > 0), bool(z_loss > 0)), stats.device, stats.dtype,
-            settings)
+    _launch(
+        "token_rows",
+        (
+            stats,
+            valid,
+            bad,
+            loss,
+            correct,
+            lse,
+            float(one_minus_eps),
+            float(eps_over_v),
+            float(z_loss),
+            bool(label_smoothing > 0),
+            bool(z_loss > 0),
+        ),
+        stats.device,
+        stats.dtype,
+        settings,
+    )
     return loss, correct, lse
 
 
@@ -656,7 +935,12 @@ def scale_(t: torch.Tensor, g: torch.Tensor, settings: Settings, rounded: dict |
     when ``g == 1`` (kernels/scale.py). 16-bit and float32 contiguous tensors of under 2**31 elements
     (the kernel's int32 offsets) take the kernel; others, and size-0/1 shapes, torch's ``mul_``."""
     n = t.numel()
-    if t.dtype not in (torch.bfloat16, torch.float16, torch.float32) or not t.is_contiguous() or n >= 2**31 or degenerate(n):
+    if (
+        t.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+        or not t.is_contiguous()
+        or n >= 2**31
+        or degenerate(n)
+    ):
         from .scale import scale_reference_
 
         return scale_reference_(t, g)
@@ -683,10 +967,22 @@ def _torch_masked(dtype: torch.dtype, *sizes: int) -> bool:
     return dtype == torch.float64 or degenerate(*sizes)
 
 
-def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch.Tensor, g: torch.Tensor,
-                         row_scale: torch.Tensor, eps: float, scale: float, eps_over_v: float, one_minus_eps: float,
-                         two_zl: float, softcap: float, settings: Settings, mu: torch.Tensor | None = None,
-                         gh: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_grad_filtered_(
+    z: torch.Tensor,
+    target_local: torch.Tensor,
+    lse: torch.Tensor,
+    g: torch.Tensor,
+    row_scale: torch.Tensor,
+    eps: float,
+    scale: float,
+    eps_over_v: float,
+    one_minus_eps: float,
+    two_zl: float,
+    softcap: float,
+    settings: Settings,
+    mu: torch.Tensor | None = None,
+    gh: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``chunk_grad_`` that also returns the block mask ``keep [ceil(Nc/BN), ceil(Vc/BV)]`` (bool) of
     the gradient filter: a block is kept when some entry has ``|dL/dz| >= eps * row_scale`` (rows
     with ``row_scale`` 0, e.g. ignored tokens, keep nothing)."""
@@ -699,17 +995,30 @@ def chunk_grad_filtered_(z: torch.Tensor, target_local: torch.Tensor, lse: torch
         pad = torch.zeros(n, -v % bv, dtype=torch.float32, device=z.device)
         absmax = torch.cat([z.abs().float(), pad], 1).view(n, -1, bv).amax(2).T if v else z.new_zeros(0, n).float()
     else:
-        _, absmax = _chunk_grad(z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings,
-                                mu, gh, block_v=bv)
+        _, absmax = _chunk_grad(
+            z, target_local, lse, g, scale, eps_over_v, one_minus_eps, two_zl, softcap, settings, mu, gh, block_v=bv
+        )
     thresh = eps * row_scale.to(torch.float32)
     hit = (absmax >= thresh[None, :]) & (thresh > 0)[None, :]  # [n_vt, Nc]
     hit = torch.cat([hit, hit.new_zeros(hit.shape[0], -n % bn)], 1)
-    return hit.view(hit.shape[0], hit.shape[1] // bn, bn).any(2).T.contiguous()  # explicit sizes: an empty shard has 0 tiles
+    return (
+        hit.view(hit.shape[0], hit.shape[1] // bn, bn).any(2).T.contiguous()
+    )  # explicit sizes: an empty shard has 0 tiles
 
 
-def _masked_mm(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-               block_m: int, block_k: int, settings: Settings, variant: str, b_perm: torch.Tensor | None = None,
-               out_perm: torch.Tensor | None = None) -> torch.Tensor:
+def _masked_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    keep: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    block_m: int,
+    block_k: int,
+    settings: Settings,
+    variant: str,
+    b_perm: torch.Tensor | None = None,
+    out_perm: torch.Tensor | None = None,
+) -> torch.Tensor:
     if a.numel() == 0:
         if accumulate:
             return out
@@ -723,23 +1032,44 @@ def _masked_mm(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.
     # distinct dummies for an unused index (no tensor object twice in one launch: see _launch)
     bp = b_perm.to(torch.int32) if b_perm is not None else a.new_empty(1, dtype=torch.int32)  # never read
     op = out_perm.to(torch.int32) if out_perm is not None else a.new_empty(1, dtype=torch.int32)
-    return _launch("masked_mm", (a, b, *compact(keep), out, bp, op, bool(accumulate), b_perm is not None,
-                                 out_perm is not None), a.device, a.dtype, settings,
-                   variant, blocks={"block_m": block_m, "block_k": block_k})
+    return _launch(
+        "masked_mm",
+        (a, b, *compact(keep), out, bp, op, bool(accumulate), b_perm is not None, out_perm is not None),
+        a.device,
+        a.dtype,
+        settings,
+        variant,
+        blocks={"block_m": block_m, "block_k": block_k},
+    )
 
 
-def dx_masked(dz: torch.Tensor, w: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-              settings: Settings, w_perm: torch.Tensor | None = None) -> torch.Tensor:
+def dx_masked(
+    dz: torch.Tensor,
+    w: torch.Tensor,
+    keep: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    settings: Settings,
+    w_perm: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``out (+)= dz @ w`` over the kept blocks of ``dz`` (kernels/masked_mm.py); with ``w_perm`` the
     columns of ``dz`` are the rows ``w[w_perm]`` (the filter's vocabulary order, no sorted copy of ``w``)."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
     return _masked_mm(dz, w, keep, out, accumulate, bn, bv, settings, "", b_perm=w_perm)  # the masked_mm entry
 
 
-def dw_masked(dz: torch.Tensor, x: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-              settings: Settings, out_perm: torch.Tensor | None = None) -> torch.Tensor:
+def dw_masked(
+    dz: torch.Tensor,
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    settings: Settings,
+    out_perm: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``out (+)= dz.T @ x`` over the kept blocks of ``dz``: the same kernel on the transposed views; with
     ``out_perm`` row ``j`` of ``dz.T @ x`` goes to ``out[out_perm[j]]`` (the shard's own row order)."""
     bn, bv = masked_blocks(dz.device, dz.dtype, settings)
-    return _masked_mm(dz.T, x, keep.T, out, accumulate, bv, bn, settings, "dw",
-                      out_perm=out_perm)  # masked_mm_dw, else masked_mm
+    return _masked_mm(
+        dz.T, x, keep.T, out, accumulate, bv, bn, settings, "dw", out_perm=out_perm
+    )  # masked_mm_dw, else masked_mm

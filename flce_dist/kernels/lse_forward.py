@@ -45,13 +45,14 @@ rows) gets pmax = -inf and psum = pent = 0 (its exponentials are taken against 0
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from ..formulas import transform
 from .chunk_stats import chunk_stats_reference
 from .common import LOG2E, SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee", **SETTINGS)  # N, V at run time: kernels/README
@@ -124,8 +125,15 @@ def lse_forward_partials(
     return pmax, psum, ptgt, psumy, pent
 
 
-def merge_partials(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, psumy: torch.Tensor,
-                   pent: torch.Tensor, with_sum: bool, with_ent: bool = False) -> torch.Tensor:
+def merge_partials(
+    pmax: torch.Tensor,
+    psum: torch.Tensor,
+    ptgt: torch.Tensor,
+    psumy: torch.Tensor,
+    pent: torch.Tensor,
+    with_sum: bool,
+    with_ent: bool = False,
+) -> torch.Tensor:
     """The kernel's ``[ceil(V/BV), N]`` partials merged over vocab tiles into ``[N, 4]`` stats
     (shard lse, target logit, sum of logits, max logit), ``[N, 5]`` with the shard entropy."""
     m = pmax.amax(0)
@@ -141,9 +149,18 @@ def merge_partials(pmax: torch.Tensor, psum: torch.Tensor, ptgt: torch.Tensor, p
     return torch.stack(cols, dim=1)
 
 
-def lse_forward_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, target_local: torch.Tensor,
-                          scale: float, softcap: float, with_sum: bool, z_out: torch.Tensor | None = None,
-                          with_ent: bool = False, exp_ref: torch.Tensor | None = None) -> torch.Tensor:
+def lse_forward_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    target_local: torch.Tensor,
+    scale: float,
+    softcap: float,
+    with_sum: bool,
+    z_out: torch.Tensor | None = None,
+    with_ent: bool = False,
+    exp_ref: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The kernel's math in torch (full logits of ``x``, rounded to x's dtype, as the kernel does):
     ``[N, 4]`` stats (``[N, 5]`` with the entropy); the logits go to ``z_out`` when given, or with
     ``exp_ref`` their exponentials ``exp(y - exp_ref)`` (store == 2)."""

@@ -34,11 +34,12 @@ b_perm [K] / out_perm [M] int32 (or a [1] dummy when ``permute_b`` / ``permute_o
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee", **SETTINGS)
@@ -99,13 +100,23 @@ def expand_keep(keep: torch.Tensor, m: int, k: int, block_m: int, block_k: int) 
     return keep.repeat_interleave(block_m, 0)[:m].repeat_interleave(block_k, 1)[:, :k]
 
 
-def masked_mm_reference(a: torch.Tensor, b: torch.Tensor, keep: torch.Tensor, out: torch.Tensor, accumulate: bool,
-                        block_m: int, block_k: int, b_perm: torch.Tensor | None = None,
-                        out_perm: torch.Tensor | None = None) -> torch.Tensor:
+def masked_mm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    keep: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool,
+    block_m: int,
+    block_k: int,
+    b_perm: torch.Tensor | None = None,
+    out_perm: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The kernel's math in torch: the kept blocks of ``a`` times ``b`` (rows ``b[b_perm]``), into (or
     added to) ``out`` (rows ``out[out_perm]``)."""
     bb = b if b_perm is None else b.index_select(0, b_perm)
-    part = torch.mm(torch.where(expand_keep(keep, a.shape[0], a.shape[1], block_m, block_k), a, torch.zeros_like(a)), bb)
+    part = torch.mm(
+        torch.where(expand_keep(keep, a.shape[0], a.shape[1], block_m, block_k), a, torch.zeros_like(a)), bb
+    )
     if out_perm is None:
         return out.add_(part) if accumulate else out.copy_(part)
     if accumulate:

@@ -21,11 +21,12 @@ psumy: [1, N] dummies without with_ent / with_sum), ptgt [T or 1, N], out [N, 4 
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import LOG2E, SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)  # one compile for every chunk size

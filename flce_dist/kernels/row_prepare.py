@@ -24,11 +24,12 @@ call with distinct tensors); a column view is a distinct object.
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)  # one compile for every chunk size

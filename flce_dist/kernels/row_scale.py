@@ -13,16 +13,24 @@ Shapes: acc [Nc, H] float32, x [Nc, H] (bf16 / fp32), c [Nc] float32, dx and xw 
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)  # one compile for every chunk size
-def row_scale(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, xw: torch.Tensor,
-              block_n: hl.constexpr, block_h: hl.constexpr) -> tuple[torch.Tensor, torch.Tensor]:
+def row_scale(
+    acc: torch.Tensor,
+    x: torch.Tensor,
+    c: torch.Tensor,
+    dx: torch.Tensor,
+    xw: torch.Tensor,
+    block_n: hl.constexpr,
+    block_h: hl.constexpr,
+) -> tuple[torch.Tensor, torch.Tensor]:
     n, h = x.size()
     for tile_n, tile_h in hl.tile([n, h], block_size=[block_n, block_h]):
         cn = c[tile_n][:, None]
@@ -31,8 +39,9 @@ def row_scale(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Ten
     return dx, xw
 
 
-def row_scale_reference(acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Tensor,
-                        xw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_scale_reference(
+    acc: torch.Tensor, x: torch.Tensor, c: torch.Tensor, dx: torch.Tensor, xw: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's math in torch (size-1 dims)."""
     dx.copy_(acc * c[:, None])
     xw.copy_(x.to(c.dtype) * c[:, None])

@@ -22,11 +22,12 @@ Shapes: t [numel] (a contiguous tensor's flat view), g [1] float32.
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)  # one compile for every size (dX's changes with N)

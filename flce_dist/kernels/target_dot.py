@@ -27,12 +27,13 @@ float32 (a one-row target partial, which ``launch.merge`` sums on its own).
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from ..formulas import transform
 from .common import SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, dot_precision="ieee", **SETTINGS)  # N, V at run time: kernels/README
@@ -63,8 +64,9 @@ def target_dot(
     return out
 
 
-def target_dot_reference(x: torch.Tensor, w: torch.Tensor, target_local: torch.Tensor, scale: float,
-                         softcap: float = 0.0) -> torch.Tensor:
+def target_dot_reference(
+    x: torch.Tensor, w: torch.Tensor, target_local: torch.Tensor, scale: float, softcap: float = 0.0
+) -> torch.Tensor:
     """The kernel's math in torch: [1, N] target logits (rounded to x's dtype, times ``scale``, then
     the softcap), 0 where ``target_local`` < 0."""
     has = target_local >= 0

@@ -11,11 +11,12 @@ Shapes: target [N] int64, tl [N] int32, valid and bad [N] bool. Grid: token tile
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)  # one compile for every batch size
@@ -42,8 +43,9 @@ def target_rows(
     return tl_out
 
 
-def target_rows_reference(target: torch.Tensor, vocab_start: int, v_local: int, vocab_size: int,
-                          ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def target_rows_reference(
+    target: torch.Tensor, vocab_start: int, v_local: int, vocab_size: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's math in torch: ``(tl, valid, bad)``."""
     valid = target != ignore_index
     loc = target - vocab_start

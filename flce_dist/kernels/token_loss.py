@@ -15,11 +15,12 @@ loss, lse [N] float32, correct [N] bool. Grid: token tiles.
 
 from __future__ import annotations
 
-from .._helion_compat import helion
-import helion.language as hl
 import torch
 
+from .._helion_compat import helion
 from .common import SETTINGS
+
+import helion.language as hl
 
 
 @helion.kernel(static_shapes=False, **SETTINGS)  # one compile for every batch size
@@ -54,8 +55,9 @@ def token_rows(
     return loss_out
 
 
-def token_rows_reference(stats: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor, one_minus_eps: float,
-                         eps_over_v: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_rows_reference(
+    stats: torch.Tensor, valid: torch.Tensor, bad: torch.Tensor, one_minus_eps: float, eps_over_v: float, z_loss: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's math in torch (any float dtype): ``(loss, correct, lse)``."""
     lse, yt = stats[:, 0], stats[:, 1]
     loss = lse - one_minus_eps * yt

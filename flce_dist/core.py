@@ -101,69 +101,6 @@ def local_targets(target: torch.Tensor, p: FLCEParams, v_local: int) -> torch.Te
     return K.target_rows(target, p.vocab_start, v_local, p.vocab_size, p.ignore_index, p.settings)[0]
 
 
-def row_weights(
-    valid: torch.Tensor,
-    p: FLCEParams,
-    num_items: torch.Tensor | None,
-    dtype: torch.dtype = torch.float32,
-    denom: torch.Tensor | None = None,
-    loss_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """dLoss/dloss_n before grad_output: 1 (sum/none), 1/count (mean), 0 for ignored rows
-    (``denom``: the mean's denominator, if already computed); with ``loss_weights`` [N] each row's
-    weight w_n instead of 1 (and the mean's denominator sum_n w_n, see :func:`weighted_denominator`)."""
-    if p.reduction == "mean" and loss_weights is None:
-        if denom is None:
-            denom = mean_denominator(valid, num_items, dtype)
-        if denom.dtype == dtype:  # valid / denom: one kernel (bool -> dtype in the division, the same bits)
-            return torch.div(valid, denom)
-    w = valid.to(dtype) if loss_weights is None else token_weights(valid, loss_weights, dtype)
-    if p.reduction == "mean":
-        if denom is None:
-            denom = (
-                mean_denominator(valid, num_items, dtype)
-                if loss_weights is None
-                else weighted_denominator(w, num_items, dtype)
-            )
-        w = w / denom
-    return w
-
-
-def token_weights(valid: torch.Tensor, loss_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``loss_weights`` [N] in ``dtype``, 0 on ignored rows (whatever weight they were given)."""
-    return torch.where(valid, loss_weights.to(dtype), torch.zeros((), dtype=dtype, device=valid.device))
-
-
-def weighted_denominator(tw: torch.Tensor, num_items: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The weighted mean's denominator: ``num_items_in_batch`` if given (at least 1, as unweighted),
-    else ``sum_n w_n`` over the non-ignored rows (``tw`` from :func:`token_weights`), or 1 where that
-    sum is 0 (every weight 0: the loss is 0)."""
-    if num_items is not None:
-        return mean_denominator(tw, num_items, dtype)
-    d = tw.sum()
-    return torch.where(d == 0, torch.ones_like(d), d)
-
-
-def reduce_loss(
-    loss: torch.Tensor,
-    valid: torch.Tensor,
-    p: FLCEParams,
-    num_items: torch.Tensor | None,
-    denom: torch.Tensor | None = None,
-    poison: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The reduced loss; ``poison`` (0-d, the guard's 0 or NaN: :class:`_Guard`): added to a scalar loss, so that
-    a failed guard makes it NaN also on a rank none of whose tokens counts (its per-token losses are 0, whatever
-    the lse). The mean adds it in its division's kernel (``addcdiv``), the sum in one more."""
-    if p.reduction == "none":
-        return loss
-    total = loss.sum()
-    if p.reduction == "sum":
-        return total if poison is None else total + poison
-    denom = denom if denom is not None else mean_denominator(valid, num_items, torch.float32)
-    return total / denom if poison is None else torch.addcdiv(poison.to(total.dtype), total, denom)
-
-
 def uses_fused(needs_grad: bool, reduction: str, strategy: str, entropy: bool = False, weighted: bool = False) -> bool:
     """Whether a call takes the fused strategy (gradient formed in the forward). Not with the
     entropy: its per-token gradient is only known in the backward. ``reduction="none"`` only with
@@ -190,35 +127,61 @@ def can_raise(x: torch.Tensor, p: FLCEParams | LossOptions) -> bool:
 
 
 class _Tokens:
-    """The call's per-token work around the logits pass, each part formed once on first use:
-    :meth:`targets` (shard-local ids and masks, ``kernels/targets.py``, into buffers made up front) and
-    :meth:`weights` (the token weights, the mean's denominator and, for the fused strategy, the row
-    weights). The fused strategy forms the targets after its first logits pass is enqueued where that
-    pass does not read them (sm_90 without a bias: ``launch.lse_forward``'s ``prepare``) and the weights
-    after that pass's statistics in every case: from an idle GPU their launches then overlap the pass
-    instead of delaying it (issue 53). Same values, same collectives in the same order (``lw``, this
-    call's token weights, are all-gathered by the caller before)."""
+    """The call's per-token bookkeeping, each part formed once, on first use: the targets (:meth:`targets`:
+    shard-local ids, the valid and bad masks, ``kernels/targets.py``, into buffers made up front), the token
+    weights (:meth:`token_weights`), the mean's denominator (:meth:`denominator`), the row weights
+    (:meth:`row_weights`) and the reduction (:meth:`reduce`). With ``w_n`` = ``loss_weights[n]`` where given, else
+    1, and 0 on every ignored token:
+
+        reduction   loss                         row weight g_n = dLoss/dloss_n (before grad_output)
+        "none"      w_n * loss_n per token       w_n
+        "sum"       sum_n w_n * loss_n           w_n
+        "mean"      sum_n w_n * loss_n / D       w_n / D,   D = num_items_in_batch (at least 1) if given,
+                                                            else sum_n w_n with loss_weights (1 where that is 0:
+                                                            every weight 0, the loss is 0), else the number of
+                                                            non-ignored tokens (at least 1)
+
+    The fused strategy forms the targets after its first logits pass is enqueued where that pass does not read
+    them (sm_90 without a bias: ``launch.lse_forward``'s ``prepare``) and the weights after that pass's
+    statistics in every case: from an idle GPU their launches then overlap the pass instead of delaying it
+    (issue 53). Same values, same collectives in the same order (``lw``, this call's token weights, are
+    all-gathered by the caller before). :meth:`of_valid`: the same bookkeeping from a valid mask formed before
+    (the recompute backward)."""
 
     def __init__(
         self,
-        tgt: torch.Tensor,
+        tgt: torch.Tensor | None,
         lw: torch.Tensor | None,
         p: FLCEParams,
         v_local: int,
         num_items: torch.Tensor | None,
         acc: torch.dtype,
     ) -> None:
-        n, dev = tgt.shape[0], tgt.device
         self.tgt, self.lw, self.p, self.v_local, self.num_items, self.acc = tgt, lw, p, v_local, num_items, acc
-        self.tl = torch.empty(n, dtype=torch.int32, device=dev)
-        self.valid = torch.empty(n, dtype=torch.bool, device=dev)
-        self.bad = torch.empty(n, dtype=torch.bool, device=dev)
-        self.tw = self.denom = self.g = None
-        self.formed = self.weighed = False
+        self.tw: torch.Tensor | None = None
+        self.denom: torch.Tensor | None = None
+        self.g: torch.Tensor | None = None
+        self.formed = tgt is None
+        if tgt is not None:
+            n, dev = tgt.shape[0], tgt.device
+            self.tl = torch.empty(n, dtype=torch.int32, device=dev)
+            self.valid = torch.empty(n, dtype=torch.bool, device=dev)
+            self.bad = torch.empty(n, dtype=torch.bool, device=dev)
+
+    @classmethod
+    def of_valid(
+        cls, valid: torch.Tensor, lw: torch.Tensor | None, p: FLCEParams, num_items: torch.Tensor | None,
+        acc: torch.dtype,
+    ) -> _Tokens:
+        """The weights of tokens whose valid mask was formed before (no targets here)."""
+        t = cls(None, lw, p, 0, num_items, acc)
+        t.valid = valid
+        return t
 
     def targets(self) -> None:
         if not self.formed:
             p = self.p
+            assert self.tgt is not None
             K.target_rows(
                 self.tgt,
                 p.vocab_start,
@@ -231,28 +194,58 @@ class _Tokens:
             self.formed = True
 
     def token_weights(self) -> torch.Tensor | None:
-        """The token weights (``loss_weights`` in the accumulation dtype, 0 on ignored tokens; None without
-        them), formed once: the guard's checksum and the loss read the same tensor."""
+        """``w_n``: ``loss_weights`` in the accumulation dtype, 0 on ignored tokens (None without them; then every
+        ``w_n`` is 1 and no tensor is made). The guard's checksum and the loss read the same tensor."""
         if self.tw is None and self.lw is not None:
             self.targets()
-            self.tw = token_weights(self.valid, self.lw, self.acc)
+            zero = torch.zeros((), dtype=self.acc, device=self.valid.device)
+            self.tw = torch.where(self.valid, self.lw.to(self.acc), zero)
         return self.tw
 
-    def weights(self, fused: bool = True) -> torch.Tensor | None:
-        """The row weights ``g`` (fused: formed once; else None), after the token weights and the denominator."""
+    def denominator(self) -> torch.Tensor | None:
+        """``D`` of the mean (the table above; None for "none" and "sum"), in the accumulation dtype."""
+        if self.denom is None and self.p.reduction == "mean":
+            tw = self.token_weights()
+            if tw is None or self.num_items is not None:
+                self.denom = mean_denominator(self.valid if tw is None else tw, self.num_items, self.acc)
+            else:
+                d = tw.sum()
+                self.denom = torch.where(d == 0, torch.ones_like(d), d)
+        return self.denom
+
+    def row_weights(self) -> torch.Tensor:
+        """``g_n`` (the table above) in the accumulation dtype."""
         self.targets()
-        if not self.weighed:
-            self.token_weights()
-            if self.p.reduction == "mean":
-                self.denom = (
-                    mean_denominator(self.valid, self.num_items, self.acc)
-                    if self.tw is None
-                    else weighted_denominator(self.tw, self.num_items, self.acc)
-                )
-            self.weighed = True
+        tw, denom = self.token_weights(), self.denominator()
+        if denom is None:
+            return self.valid.to(self.acc) if tw is None else tw
+        if tw is None and denom.dtype == self.acc:  # valid / D: one kernel (bool -> dtype in the division, the same bits)
+            return torch.div(self.valid, denom)
+        return (self.valid.to(self.acc) if tw is None else tw) / denom
+
+    def weights(self, fused: bool = True) -> torch.Tensor | None:
+        """The row weights (fused: formed once; else None), after the token weights and the denominator."""
+        self.targets()
+        self.denominator()
         if fused and self.g is None:
-            self.g = row_weights(self.valid, self.p, self.num_items, self.acc, self.denom, self.tw)
+            self.g = self.row_weights()
         return self.g
+
+    def reduce(self, loss: torch.Tensor, poison: torch.Tensor | None = None) -> torch.Tensor:
+        """The reduced loss of the per-token losses ``loss`` (float32; multiplied by ``w_n`` here where
+        ``loss_weights`` are given). ``poison`` (0-d, the guard's 0 or NaN: :class:`_Guard`): added to a scalar
+        loss, so that a failed guard makes it NaN also on a rank none of whose tokens counts (its per-token losses
+        are 0, whatever the lse). The mean adds it in its division's kernel (``addcdiv``), the sum in one more."""
+        tw = self.token_weights()
+        loss = loss if tw is None else loss * tw
+        if self.p.reduction == "none":
+            return loss
+        total = loss.sum()
+        if self.p.reduction == "sum":
+            return total if poison is None else total + poison
+        denom = self.denominator()
+        assert denom is not None
+        return total / denom if poison is None else torch.addcdiv(poison.to(total.dtype), total, denom)
 
 
 class _Guard:
@@ -833,7 +826,7 @@ def flce_forward(
         tokens.targets()
         stats = forward_stats(x, weight, bias, tokens.tl, p, guard)
     tokens.weights(fused=False)
-    tl, valid, bad, tw, denom = tokens.tl, tokens.valid, tokens.bad, tokens.tw, tokens.denom
+    tl, valid, bad, tw = tokens.tl, tokens.valid, tokens.bad, tokens.tw
     # Per-token loss, accuracy (the target's logit is the row max over all shards; ties count) and
     # lse in one launch (kernels/token_loss.py). A target outside [0, V) that is not ignore_index
     # poisons its loss with NaN (no device assert, no host sync; the API raises instead where the
@@ -848,7 +841,7 @@ def flce_forward(
     if p.reduction == "none":
         loss = loss_rows[rank_slice].to(acc_dtype(hidden.dtype))
     else:
-        loss = reduce_loss(loss_rows if tw is None else loss_rows * tw, valid, p, num_items, denom, guard.ok)
+        loss = tokens.reduce(loss_rows, guard.ok)
     # the returned lse: not the tensor the backward saves (none where the caller drops it: ``copy_lse`` False)
     lse = lse_all[rank_slice].clone() if copy_lse or sp else lse_all
     correct = correct_all[rank_slice]
@@ -988,7 +981,7 @@ def recompute_grads(
         go = all_gather_rows(go.contiguous(), group) if sp else go
         g = torch.where(valid, go, torch.zeros((), dtype=acc, device=go.device))
     else:
-        g = row_weights(valid, p, num_items, acc, loss_weights=loss_weights) * grad_loss.to(acc)
+        g = _Tokens.of_valid(valid, loss_weights, p, num_items, acc).row_weights() * grad_loss.to(acc)
     mu = gh = None
     if sp and ent is not None and grad_ent is None:  # the gather below is issued whether or not this rank's
         # objective uses the entropy (a collective must not depend on it: a peer's may; distributed/agree.py)

@@ -3,8 +3,9 @@
 ``transform``         the kernels' logit transform ``y = c' tanh(s z / c')``; the options pass ``s = 1 / T``
                       and ``c' = c / T`` (``LossOptions.cap``), which is ``softcap_c(z) / T``
 ``acc_dtype``         the dtype statistics and accumulators use: float64 for float64 inputs, else float32
-``mean_denominator``  what ``reduction="mean"`` divides by: ``num_items_in_batch`` if given, else the
-                      number of non-ignored tokens; at least 1 (an all-ignored batch has loss 0)
+``mean_denominator``  the unweighted mean's divisor: ``num_items_in_batch`` if given, else the number of
+                      non-ignored tokens; at least 1 (an all-ignored batch has loss 0). What each reduction
+                      divides by, weighted or not, is stated once, in ``core._Tokens``
 """
 
 from __future__ import annotations

@@ -170,7 +170,11 @@ class _Tokens:
 
     @classmethod
     def of_valid(
-        cls, valid: torch.Tensor, lw: torch.Tensor | None, p: FLCEParams, num_items: torch.Tensor | None,
+        cls,
+        valid: torch.Tensor,
+        lw: torch.Tensor | None,
+        p: FLCEParams,
+        num_items: torch.Tensor | None,
         acc: torch.dtype,
     ) -> _Tokens:
         """The weights of tokens whose valid mask was formed before (no targets here)."""
@@ -219,7 +223,9 @@ class _Tokens:
         tw, denom = self.token_weights(), self.denominator()
         if denom is None:
             return self.valid.to(self.acc) if tw is None else tw
-        if tw is None and denom.dtype == self.acc:  # valid / D: one kernel (bool -> dtype in the division, the same bits)
+        if (
+            tw is None and denom.dtype == self.acc
+        ):  # valid / D: one kernel (bool -> dtype in the division, the same bits)
             return torch.div(self.valid, denom)
         return (self.valid.to(self.acc) if tw is None else tw) / denom
 

@@ -93,9 +93,11 @@ def test_built_dist_installs_into_a_fresh_venv_and_runs(dists, kind, tmp_path):
     ``py.typed``, the version and the license of the installed copy."""
     py = _fresh_venv(tmp_path / "venv")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HELION_INTERPRET")}
+    # --ignore-installed: a flce_dist of the parent environment (CI job 2 installs the wheel there) is visible
+    # through the .pth and would make pip skip the install as "already satisfied".
     env["PIP_CONSTRAINT"] = "/dev/null"  # this machine's global pip constraints cap torch; nothing is resolved here
     r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
-                        "--no-build-isolation", str(dists[kind])], capture_output=True, text=True, cwd=tmp_path,
+                        "--ignore-installed", "--no-build-isolation", str(dists[kind])], capture_output=True, text=True, cwd=tmp_path,
                        env=env)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r = subprocess.run([str(py), "-c", _SMOKE], capture_output=True, text=True, cwd=tmp_path,

@@ -229,11 +229,9 @@ class _Tokens:
             return torch.div(self.valid, denom)
         return (self.valid.to(self.acc) if tw is None else tw) / denom
 
-    def weights(self, fused: bool = True) -> torch.Tensor | None:
-        """The row weights (fused: formed once; else None), after the token weights and the denominator."""
-        self.targets()
-        self.denominator()
-        if fused and self.g is None:
+    def weights(self) -> torch.Tensor:
+        """The row weights, formed once (after the targets, the token weights and the denominator)."""
+        if self.g is None:
             self.g = self.row_weights()
         return self.g
 
@@ -279,7 +277,8 @@ class _Guard:
         self.x, self.tgt, self.bad, self.p, self.rows = x, tgt, bad, p, rows
         self.has_bias, self.needs_grad, self.tokens = has_bias, needs_grad, tokens
         self.raise_ok = can_raise(x, p)
-        self.group, self.ok = group, None
+        self.group = group
+        self.ok: torch.Tensor | None = None  # the verdict's 0 / NaN, once the first chunk's guards are in
 
     def words(self) -> torch.Tensor:
         """This rank's guard words (``guard.call_guard``)."""
@@ -449,6 +448,7 @@ def fused_forward_backward(
         g = tokens.weights()
     order = perm = None
     if eps and n:  # the gradient filter works on the shard sorted by mean logit (vocab_order.py)
+        assert g is not None
         order = VocabOrder.by_mean_logit(x, w, b, g.abs())
         if p.settings.filter_order == "gather":  # no sorted copy of W: read and written through perm
             perm, grows = _gathered(order, w, p, group)
@@ -483,9 +483,9 @@ def fused_forward_backward(
         # the first chunk's targets: formed by the logits pass's launch (lse_forward's prepare) or right here
         pre = tokens.targets if tokens is not None and i == 0 else None
         z = zbuf[: xc.shape[0]]
-        dxc = dx[i : i + rows] if need_dx else None
+        dxc = dx[i : i + rows] if dx is not None else None
         xw = xc  # the dW matmul's x operand (the row-scale form's: c x)
-        if rs:  # the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
+        if ref is not None:  # (rs) the chunk's exponentials E and statistics in one pass; dz = c E' (rowscale.py)
             rc = ref[i : i + rows]
             local = K.lse_forward(
                 xc, w, b, tc, p.logit_scale, p.cap, p.needs_sum, p.settings, z_out=z, exp_ref=rc, prepare=pre
@@ -503,6 +503,7 @@ def fused_forward_backward(
             tokens.targets()  # (formed already: the guard's words read the bad-target mask)
         st = guard.combine(local)
         if g is None:  # the row weights, after the first pass (their launches overlap it)
+            assert tokens is not None
             g = tokens.weights()
         gc = g[i : i + rows]
         if single and st.dtype == acc_dtype(x.dtype) and st.is_contiguous():
@@ -519,46 +520,45 @@ def fused_forward_backward(
             K.dz_gated(xc, w, z, tc, lse, gc, gate, p.logit_scale, 2.0 * p.z_loss, p.settings)
             # E' @ W in float32, then dX = c (E' @ W) rounded once (p_t - 1 is not cancelled in bf16),
             # and the dW operand c x, in one pass
-            if need_dx:
+            if dxc is not None:
                 xw = torch.empty_like(xc)
                 K.row_scale(torch.mm(z, w, out_dtype=torch.float32), xc, c, dxc, xw, p.settings)
             else:  # frozen hidden: only the dW operand c x (rowscale.scaled_rows: no E' @ W matmul)
                 xw = rowscale.scaled_rows(xc, c)
         elif eps:  # the opt-in gradient filter: block-sparse dX and dW over the blocks that matter
             keep = K.chunk_grad_filtered_(z, tc, lse, gc, gc.abs(), eps, **kw)
-            if need_dx:
+            if dxc is not None:
                 K.dx_masked(z, w, keep, dxc, False, p.settings, w_perm=perm)
         else:
             K.chunk_grad_(z, tc, lse, gc, **kw)
-            if need_dx:
+            if dxc is not None:
                 torch.mm(z, w, out=dxc)
-        if need_dx and reduce_dx and not sp and not p.deterministic:
+        if dxc is not None and reduce_dx and not sp and not p.deterministic:
             h = all_reduce_async(dxc, group)
             if h is not None:
                 handles.append(h)
-        if need_dw and acc is None and dw is None:
-            dw = torch.empty_like(w)
-        if not need_dw:
-            pass
-        elif keep is not None:
-            K.dw_masked(z, xc, keep, dw, i > 0, p.settings, out_perm=perm)
-        elif acc is not None:
+        if acc is not None:  # (a 16-bit dW over several chunks, no filter: keep is None)
             acc.add(z, xw, i == 0)
-        elif i == 0:
-            torch.mm(z.T, xw, out=dw)
-        else:
-            dw.addmm_(z.T, xw)
+        elif need_dw:
+            if dw is None:
+                dw = torch.empty_like(w)
+            if keep is not None:
+                K.dw_masked(z, xc, keep, dw, i > 0, p.settings, out_perm=perm)
+            elif i == 0:
+                torch.mm(z.T, xw, out=dw)
+            else:
+                dw.addmm_(z.T, xw)
         if db is not None:
             db += z.sum(0, dtype=db.dtype)
-    zbuf = None
+    del zbuf
     if acc is not None:
         dw = acc.finish()
     if order is not None:  # back to the shard's row order (the sorted copy of W is released first)
-        w = b = None
+        del w, b
         dw, db = (dw if perm is not None else order.restore(dw)), order.restore(db)
     for h in handles:
         h.wait()
-    if need_dx and reduce_dx and p.deterministic and not sp:
+    if dx is not None and reduce_dx and p.deterministic and not sp:
         all_reduce_deterministic_(dx, group)
     return stats, dx, dw, db
 
@@ -617,6 +617,7 @@ def recompute_backward(
     for j in range(0, v, cols):
         pc = None
         if perm is not None:  # this chunk's sorted rows read through perm (their logits pass's stats unused)
+            assert order is not None
             wc, pc, bc = w, perm[j : j + cols], order.rows(b, j, j + cols)
             z = x.new_empty(n, pc.numel())
             K.lse_forward_gathered(x, w, bc, pc, no_tgt, p.logit_scale, p.cap, False, p.settings, z, grows)
@@ -632,21 +633,21 @@ def recompute_backward(
         keep = None
         if order is not None:
             keep = K.chunk_grad_filtered_(z, tl - j, lse, g, row_scale, eps, **kw, mu=mu, gh=gh)
-            if need_dx:
+            if dx is not None:
                 K.dx_masked(z, wc, keep, dx, True, p.settings, w_perm=pc)
         else:
             K.chunk_grad_(z, tl - j, lse, g, **kw, mu=mu, gh=gh)  # tl - j stays int32
-            if need_dx and not whole:
+            if dx is not None:  # (need_dx and not whole)
                 dx += torch.mm(z, wc)
         if need_dx and j + cols >= v:  # last chunk: start the dX reduction, then overlap it with this dW
-            out = torch.mm(z, wc) if whole else dx.to(x.dtype)
+            out = dx.to(x.dtype) if dx is not None else torch.mm(z, wc)  # (dx is None: whole)
             if reduce_dx and not p.sequence_parallel and not p.deterministic:
                 handle = all_reduce_async(out, group)
-        if not need_dw:
+        if dw is None:  # (not need_dw)
             pass
-        elif pc is not None:  # sorted rows written straight to their rows of dW
+        elif keep is not None and pc is not None:  # sorted rows written straight to their rows of dW
             K.dw_masked(z, x, keep, dw, False, p.settings, out_perm=pc)
-        elif keep is not None:  # sorted rows, written back to the shard's order
+        elif keep is not None and order is not None:  # sorted rows, written back to the shard's order
             order.put(dw, j, K.dw_masked(z, x, keep, torch.empty_like(wc), False, p.settings))
         else:
             torch.mm(z.T, x, out=dw[j : j + cols])
@@ -656,13 +657,13 @@ def recompute_backward(
                 order.put(db, j, dbc)
             else:
                 db[j : j + cols] = dbc
-    if need_dx and v == 0:
-        out = dx.to(x.dtype)
+    if need_dx and v == 0:  # no vocab chunk (an empty shard or batch): this rank's dX partial is zero
+        out = dx.to(x.dtype) if dx is not None else torch.zeros_like(x)
         if reduce_dx and not p.sequence_parallel and not p.deterministic:
             handle = all_reduce_async(out, group)
     if handle is not None:
         handle.wait()
-    if need_dx and reduce_dx and p.deterministic and not p.sequence_parallel:
+    if out is not None and reduce_dx and p.deterministic and not p.sequence_parallel:  # (out is None: not need_dx)
         all_reduce_deterministic_(out, group)
     return (out if need_dx else None), dw, db
 
@@ -831,7 +832,8 @@ def flce_forward(
     else:
         tokens.targets()
         stats = forward_stats(x, weight, bias, tokens.tl, p, guard)
-    tokens.weights(fused=False)
+    tokens.targets()
+    tokens.denominator()
     tl, valid, bad, tw = tokens.tl, tokens.valid, tokens.bad, tokens.tw
     # Per-token loss, accuracy (the target's logit is the row max over all shards; ties count) and
     # lse in one launch (kernels/token_loss.py). A target outside [0, V) that is not ignore_index
@@ -993,6 +995,7 @@ def recompute_grads(
         # objective uses the entropy (a collective must not depend on it: a peer's may; distributed/agree.py)
         all_gather_rows(torch.zeros(x.shape[0] // group_size(group), dtype=g.dtype, device=x.device), group)
     if grad_ent is not None:
+        assert ent is not None  # (a gradient of the entropy: the forward returned it)
         gh = grad_ent.reshape(-1).to(g.dtype)
         gh = all_gather_rows(gh.contiguous(), group) if sp else gh
         gh = torch.where(valid, gh, torch.zeros_like(gh)).contiguous()

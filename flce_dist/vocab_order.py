@@ -27,6 +27,7 @@ own shard: no collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 
@@ -51,6 +52,13 @@ class VocabOrder:
         inv[perm] = torch.arange(perm.numel(), device=perm.device)
         return cls(perm, inv, perm.to(torch.int32))
 
+    @overload
+    def rows(self, t: torch.Tensor, start: int = 0, end: int | None = None) -> torch.Tensor: ...
+    @overload
+    def rows(self, t: None, start: int = 0, end: int | None = None) -> None: ...
+    @overload
+    def rows(self, t: torch.Tensor | None, start: int = 0, end: int | None = None) -> torch.Tensor | None: ...
+
     def rows(self, t: torch.Tensor | None, start: int = 0, end: int | None = None) -> torch.Tensor | None:
         """Rows ``[start, end)`` of the sorted order of ``t`` (``W`` or ``b``): a copy."""
         return None if t is None else t.index_select(0, self.perm[start:end])
@@ -61,6 +69,13 @@ class VocabOrder:
         if self.inv.numel() == 0:
             return tl
         return torch.where(tl >= 0, self.inv[tl.clamp(min=0).long()].to(tl.dtype), tl)
+
+    @overload
+    def restore(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def restore(self, t: None) -> None: ...
+    @overload
+    def restore(self, t: torch.Tensor | None) -> torch.Tensor | None: ...
 
     def restore(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Rows in the sorted order back to the shard's own order (a new tensor)."""

@@ -586,6 +586,16 @@ step_trace() {
   done
 }
 
+# the smallest call that answers issues 60-62's GPU questions (about 300 s; for a small device budget, no CuTe DSL
+# wheels to carry): new N vs cached, the Megatron CUDA-graph and misaligned-input tests, the loss head's grpo trace
+# against Liger C16 and torch, and ab at llama3 + gemma (old = .old) on random data
+step_short() {
+  NEWN_TIMEOUT=90 step_newn
+  TESTS_K="megatron_head_cuda_graph or misaligned or fast_launch or target_dot" TESTS_TIMEOUT=90 step_tests
+  TRACE_HEADS=loss TRACE_TRACES=grpo TRACE_IMPLS=flce,liger_c16,torch TRACE_TIMEOUT=45 step_trace
+  AB_REPS=5 AB_SHAPES=llama3,gemma AB_DATA=random AB_TIMEOUT=50 step_ab
+}
+
 # ---------------------------------------------------------------- the call
 list_steps() {  # each step_<name> with the comment lines right above it
   awk '/^# ---/ { d = ""; next }

@@ -919,6 +919,13 @@ def weighted_verdict(
     return g, tw, (info[:, 2] > 0).all() & agree.all(), c_ref
 
 
+def weight_ratio(g: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
+    """``g_n / w_n`` per row, 0 where ``w_n`` is 0: the factor that turns the fused forward's ``w_n``-weighted dX
+    row into the arriving gradient's (:func:`scale_weighted`, and ``integrations/megatron.py`` on the device)."""
+    nz = tw != 0
+    return torch.where(nz, g / torch.where(nz, tw, torch.ones_like(tw)), torch.zeros_like(tw))
+
+
 def scale_weighted(
     pre: tuple,
     grad_loss: torch.Tensor,
@@ -944,8 +951,7 @@ def scale_weighted(
     if not verdict:
         return None
     if dx is not None:  # dX row by row: exactly g_n / w_n times the w_n-weighted row
-        nz = tw != 0
-        dx.mul_(torch.where(nz, g / torch.where(nz, tw, torch.ones_like(tw)), torch.zeros_like(tw))[:, None])
+        dx.mul_(weight_ratio(g, tw)[:, None])
     if c_host != 1.0:  # float32 arithmetic for 16-bit dW, rounded once (c is not rounded to dW's dtype first)
         for t in (dw, db):
             if t is not None:

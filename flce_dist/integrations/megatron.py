@@ -144,7 +144,7 @@ from ..api import _autocast_cast, _autocast_device, _check_loss_weights, _check_
 from ..api import fused_linear_cross_entropy as _flce
 from ..api import logprobs_and_entropy as _logprobs_and_entropy
 from ..autograd import FLCEFunction, refuse_double_backward
-from ..core import scale_precomputed, weighted_verdict
+from ..core import scale_precomputed, weight_ratio, weighted_verdict
 from ..distributed import resolve_shard
 from ..options import FLCEParams, LossOptions
 from ..settings import Settings, current
@@ -394,13 +394,11 @@ def _scale_on_device(
     rank's gradients are NaN (CPU tensors: ``ValueError``, a host read that costs nothing there)."""
     dx, dw, db = pre
     g, tw, good, c_ref = weighted_verdict(grad_loss, tw, valid, p, group)
-    zero = torch.zeros((), dtype=tw.dtype, device=g.device)
     if g.device.type == "cpu":
         _raise_on_cpu(good)
     poison = torch.where(good, 0.0, math.nan).to(torch.float32)  # 0, or NaN into every gradient
     if dx is not None:  # dX row by row: exactly g_n / w_n times the w_n-weighted row
-        nz = tw != 0
-        dx.mul_((torch.where(nz, g / torch.where(nz, tw, torch.ones_like(tw)), zero).float() + poison)[:, None])
+        dx.mul_((weight_ratio(g, tw).float() + poison)[:, None])
     _, dw, db = scale_precomputed(None, dw, db, c_ref.float() + poison, w_dtype, settings=p.settings)
     return dx, dw, db
 

@@ -224,6 +224,56 @@ def test_loss_weights_single_rank(dtype):
     _check(errs, str(dtype))
 
 
+def test_device_checked_path_copies_misaligned_views(monkeypatch):
+    """The adapter's device-checked weighted path (``_weighted_losses``: the processor with a loss mask) takes its
+    inputs as the API's eager call does (``flce_dist/aligned.py``, issue 61 finding 5): a view at an odd offset into
+    a flat buffer (Megatron's parameter buffers) is copied where the kernels may build tensor descriptors (CUDA;
+    the CPU stands in here), so no kernel sees a misaligned tensor, and losses and gradients equal the aligned
+    call's."""
+    from flce_dist import aligned
+    from flce_dist.integrations import megatron as fm
+    from flce_dist.kernels import launch
+
+    monkeypatch.setattr(aligned, "DEVICE_TYPES", ("cuda", "cpu"))
+    seen = []
+    real = launch._launch
+
+    def spy(name, args, *a, **k):
+        seen.extend(u.data_ptr() % 16 for u in args if isinstance(u, torch.Tensor) and u.numel())
+        return real(name, args, *a, **k)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    g = torch.Generator().manual_seed(62)
+    n, h, v = 21, 24, 53  # rows of 96 bytes: every token chunk of an aligned tensor starts aligned
+    hidden, weight, bias = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.3, torch.randn(v, generator=g)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::9] = -100
+    w = torch.rand(n, generator=g) + 0.25
+    w[1::7] = 0.0
+
+    def odd(u):
+        flat = torch.zeros(u.numel() + 8, dtype=u.dtype)
+        view = flat[1 : 1 + u.numel()].view(u.shape)
+        view.copy_(u)
+        assert view.data_ptr() % 16
+        return view
+
+    def run(xx, ww, bb, tt):
+        xs, ws, bs = xx.detach().requires_grad_(), ww.detach().requires_grad_(), bb.detach().requires_grad_()
+        opts = flce_dist.LossOptions(reduction="none", strategy="fused")
+        loss = fm._weighted_losses(xs, ws, tt, bs, None, None, None, w, opts, None)
+        loss.backward(0.37 * w)
+        return loss.detach(), xs.grad, ws.grad, bs.grad
+
+    with flce_dist.override(blocks=SMALL_BLOCKS):
+        want = run(hidden, weight, bias, target)
+        seen.clear()
+        got = run(odd(hidden), odd(weight), odd(bias), odd(target))
+    assert seen and not any(seen), "a kernel saw a misaligned tensor"
+    for a, c in zip(want, got):
+        assert torch.equal(a, c)
+
+
 def test_loss_weights_errors():
     hidden, weight, _, target, w = _lw_data(2, torch.float32, n=12)
     f = flce_dist.fused_linear_cross_entropy

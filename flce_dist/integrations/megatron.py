@@ -140,6 +140,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..aligned import aligned
 from ..api import _autocast_cast, _autocast_device, _check_loss_weights, _check_shapes, _check_target_range, _resolve
 from ..api import fused_linear_cross_entropy as _flce
 from ..api import logprobs_and_entropy as _logprobs_and_entropy
@@ -454,7 +455,9 @@ def _weighted_losses(
     p = FLCEParams(
         start, vocab, options.replace(sequence_parallel=options.sequence_parallel and tp > 1), settings, stale
     )
-    return _device_checked(x.contiguous(), weight.contiguous(), bias, t.contiguous(), None, p, group, lw)[0]
+    # as the API's eager call: contiguous, and on CUDA 16-byte aligned (Megatron's flat parameter buffers make views
+    # at odd offsets: a copy, aligned.py)
+    return _device_checked(aligned(x), aligned(weight), aligned(bias), aligned(t), None, p, group, lw)[0]
 
 
 # ---------------------------------------------------------------- the processor

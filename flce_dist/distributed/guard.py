@@ -80,12 +80,18 @@ def call_digest(*fields: object) -> int:
 _CACHE_SIZE = 64
 
 
+def _digest_words(sig: int) -> list[int]:
+    """Words 0 and 1: a call digest's low 62 bits as two non-negative int32 words (what every rank of the same
+    plan sends; :func:`settle_stand_in` compares them with the predicted plan's)."""
+    return [sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF]
+
+
 @lru_cache(maxsize=_CACHE_SIZE)
 def _head_words(sig: int, stale: int, device: torch.device) -> torch.Tensor:
     """Words 0-2 on the device: one host-to-device copy per distinct call digest (cached, bounded;
     a copy from pageable memory waits for the stream, so never per step). Nothing here is per token
     count: RL and evaluation change N every call."""
-    return torch.tensor([sig & 0x7FFFFFFF, (sig >> 31) & 0x7FFFFFFF, stale], dtype=torch.int32, device=device)
+    return torch.tensor([*_digest_words(sig), stale], dtype=torch.int32, device=device)
 
 
 @lru_cache(maxsize=8)
@@ -207,7 +213,7 @@ def settle_stand_in(guards: torch.Tensor, predicted: int) -> None:
 
     g = guards.cpu()
     head = g[:, :2]
-    want = torch.tensor([predicted & 0x7FFFFFFF, (predicted >> 31) & 0x7FFFFFFF], dtype=head.dtype)
+    want = torch.tensor(_digest_words(predicted), dtype=head.dtype)
     if bool((head == want).all(1).any()):
         return
     tokens = bool((g[:, TOKENS] == g[0, TOKENS]).all())
